@@ -1,0 +1,81 @@
+"""One attempt of a tool call: who runs it, for which run, under which token.
+
+Built the same way in the pool process (from ``task.request``) and in the
+worker's main process (from the ``Request``), so both address the same journal
+entry and audit stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .audit import StepContext, worker_identity
+from .effect import ToolEffect
+from .journal import JournalRef
+
+#: The only ``tooleffect_*`` message header a producer may set.
+RUN_ID_HEADER = "tooleffect_run_id"
+ALLOWED_HEADERS = frozenset({RUN_ID_HEADER})
+#: Request fields the worker's main process adds for the pool process; never
+#: taken from a message.
+TOKEN_FIELD = "tooleffect_token"
+FORGED_FIELD = "tooleffect_forged_headers"
+
+
+def forged_headers(headers: Mapping[str, Any]) -> list[str]:
+    """``tooleffect_*`` headers a producer is not allowed to set."""
+    return sorted(
+        name
+        for name in headers
+        if isinstance(name, str) and name.lower().startswith("tooleffect_")
+        and name not in ALLOWED_HEADERS
+    )
+
+
+def resolve_run_id(fields: Mapping[str, Any], task_id: str) -> str:
+    """The run a call belongs to: the producer's run header, else its root id."""
+    nested = fields.get("headers")
+    for source in (fields, nested if isinstance(nested, Mapping) else {}):
+        value = source.get(RUN_ID_HEADER)
+        if value:
+            return str(value)
+    return str(fields.get("root_id") or task_id)
+
+
+def queue_name(delivery_info: Mapping[str, Any] | None, default: str) -> str:
+    """The queue a message came from (its routing key on the default exchange)."""
+    info = delivery_info or {}
+    return str(info.get("routing_key") or info.get("queue") or default)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Everything the journal, audit and dead letters need about one attempt."""
+
+    task_id: str
+    run_id: str
+    name: str
+    effect: ToolEffect
+    queue: str
+    token: str
+    redelivered: bool
+    interactive: bool
+    retries: int
+
+    @property
+    def ref(self) -> JournalRef:
+        return JournalRef(self.run_id, self.task_id)
+
+    @property
+    def context(self) -> StepContext:
+        return StepContext(
+            run_id=self.run_id,
+            task_id=self.task_id,
+            tool=self.name,
+            effect=self.effect,
+            queue=self.queue,
+            redelivered=self.redelivered,
+            worker=worker_identity(),
+        )

@@ -1,0 +1,225 @@
+"""The audit log: one Redis stream per run, plus a global stream for tailing.
+
+Events of a write are appended by the journal's transition scripts, in the
+same atomic step as the transition. Everything else (read-only tools, lease
+notes, operator actions) goes through :meth:`AuditLog.record_step`, which never
+raises and returns whether the event was stored.
+
+What an event may say about a call's arguments, result and error depends on
+the privacy level (``tooleffect_privacy``):
+
+``metadata`` (default)
+    only sizes (``args_size``, ``kwargs_size``, ``result_size``, ``error_size``);
+``redacted``
+    the shape, with every value masked;
+``full``
+    the values verbatim (truncated at 64 KiB each).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from .connections import redis_client
+from .effect import ToolEffect
+from .keys import Keys
+from .lua import script
+from .settings import Settings, settings_for
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+logger = logging.getLogger(__name__)
+
+MASK = "***"
+FULL_VALUE_LIMIT = 64 * 1024
+
+#: The fields every event carries, in the contract's order.
+EVENT_FIELDS = (
+    "run_id",
+    "task_id",
+    "seq",
+    "tool",
+    "effect",
+    "phase",
+    "status",
+    "attempt",
+    "worker",
+    "queue",
+    "redelivered",
+    "duration_ms",
+    "failure_class",
+    "exception_type",
+    "ts",
+)
+
+
+def worker_identity() -> str:
+    """``hostname:pid`` of this process."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _to_json(value: Any) -> str:
+    return json.dumps(value, default=repr, ensure_ascii=False, separators=(",", ":"))
+
+
+def _mask(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(key): _mask(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mask(item) for item in value]
+    return MASK
+
+
+def describe_payload(privacy: str, **values: Any) -> dict[str, str]:
+    """Event fields that describe ``values`` (args, kwargs, result, error) at ``privacy``.
+
+    An exception is described by its message; its type is always recorded in
+    ``exception_type`` by the caller, since the type is metadata.
+    """
+    fields: dict[str, str] = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        text = str(value) if isinstance(value, BaseException) else _to_json(value)
+        if privacy == "full":
+            fields[name] = text[:FULL_VALUE_LIMIT]
+        elif privacy == "redacted":
+            fields[name] = MASK if isinstance(value, BaseException) else _to_json(_mask(value))
+        else:
+            fields[f"{name}_size"] = str(len(text.encode("utf-8", "replace")))
+    return fields
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every audit event of one attempt shares."""
+
+    run_id: str
+    task_id: str
+    tool: str
+    effect: ToolEffect
+    queue: str
+    redelivered: bool
+    worker: str
+
+    def event(
+        self,
+        phase: str,
+        status: str,
+        *,
+        attempt: int | None = None,
+        duration_ms: float | None = None,
+        exception: BaseException | None = None,
+        failure_class: str | None = None,
+        **extra: str,
+    ) -> dict[str, str]:
+        """One event of this attempt, as the flat string fields a stream holds."""
+        fields = {
+            "run_id": self.run_id,
+            "task_id": self.task_id,
+            "tool": self.tool,
+            "effect": self.effect.value,
+            "phase": phase,
+            "status": status,
+            "worker": self.worker,
+            "queue": self.queue,
+            "redelivered": "1" if self.redelivered else "0",
+            "ts": f"{time.time():.6f}",
+        }
+        if attempt is not None:
+            fields["attempt"] = str(attempt)
+        if duration_ms is not None:
+            fields["duration_ms"] = f"{duration_ms:.3f}"
+        if failure_class is not None:
+            fields["failure_class"] = str(failure_class)
+        if exception is not None:
+            fields["exception_type"] = type(exception).__qualname__
+        fields.update(extra)
+        return fields
+
+
+def flatten(fields: Mapping[str, Any]) -> list[str]:
+    """``{"a": 1}`` as ``["a", "1"]``: how scripts receive an event."""
+    flat: list[str] = []
+    for name, value in fields.items():
+        if value is None:
+            continue
+        flat.append(str(name))
+        flat.append(value if isinstance(value, str) else str(value))
+    return flat
+
+
+def _decode(fields: Mapping[bytes, bytes]) -> dict[str, str]:
+    return {
+        key.decode("utf-8", "replace"): value.decode("utf-8", "replace")
+        for key, value in fields.items()
+    }
+
+
+class AuditLog:
+    """Reads and appends a run's audit events."""
+
+    def __init__(self, app: Celery, settings: Settings | None = None) -> None:
+        self.app = app
+        self.settings = settings or settings_for(app)
+        self.keys = Keys(self.settings.key_prefix)
+
+    @property
+    def client(self) -> redis.Redis:
+        return redis_client(self.settings.redis_url, self.settings.socket_timeout)
+
+    def record_step(self, event: Mapping[str, Any]) -> bool:
+        """Append ``event`` to its run's stream. Never raises; True if stored."""
+        try:
+            run_id = str(event["run_id"])
+            script("append_event")(
+                self.client,
+                [self.keys.run_events(run_id), self.keys.run_seq(run_id)],
+                [self.settings.run_stream_maxlen, self.settings.journal_ttl, *flatten(event)],
+            )
+        except Exception as exc:
+            logger.warning("audit event not stored (%s: %s): %s", type(exc).__name__, exc,
+                           dict(event, run_id=event.get("run_id")))
+            return False
+        self.copy_to_global(event)
+        return True
+
+    def copy_to_global(self, event: Mapping[str, Any]) -> None:
+        """Copy an event to the global stream used for tailing. Best effort."""
+        try:
+            self.client.xadd(
+                self.keys.global_events,
+                dict(zip(flatten(event)[::2], flatten(event)[1::2], strict=True)),
+                maxlen=self.settings.global_stream_maxlen,
+                approximate=True,
+            )
+        except Exception as exc:
+            logger.debug("global audit copy skipped: %s", exc)
+
+    def events(self, run_id: str) -> list[dict[str, str]]:
+        """The events of ``run_id`` in the order they were stored, oldest first.
+
+        Each event also carries its stream entry ``id``. Reads only that run's
+        stream.
+        """
+        entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]] = self.client.xrange(
+            self.keys.run_events(run_id)
+        )
+        return [{"id": entry_id.decode(), **_decode(fields)} for entry_id, fields in entries]
+
+    def tail(self, count: int = 100) -> list[dict[str, str]]:
+        """The newest ``count`` events of all runs, oldest first."""
+        entries = self.client.xrevrange(self.keys.global_events, count=count)
+        return [
+            {"id": entry_id.decode(), **_decode(fields)} for entry_id, fields in reversed(entries)
+        ]

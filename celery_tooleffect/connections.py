@@ -1,0 +1,42 @@
+"""Redis clients for the store and the dead letters, one set per process.
+
+A client (and its connection pool) is never shared across a fork: the cache is
+keyed by process id, so a prefork child builds its own on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+_lock = threading.Lock()
+_clients: dict[tuple[int, str, float], redis.Redis] = {}
+
+
+def redis_client(url: str, socket_timeout: float) -> redis.Redis:
+    """A process-local client for ``url`` that fails fast when Redis is away.
+
+    Timeouts are short and there are no automatic retries: the package decides
+    itself what a failed store call means (retry, fail closed, dead letter).
+    """
+    key = (os.getpid(), url, socket_timeout)
+    client = _clients.get(key)
+    if client is None:
+        with _lock:
+            client = _clients.get(key)
+            if client is None:
+                client = redis.Redis.from_url(
+                    url,
+                    socket_timeout=socket_timeout,
+                    socket_connect_timeout=min(socket_timeout, 2.0),
+                    health_check_interval=30,
+                    retry_on_timeout=False,
+                    retry=Retry(NoBackoff(), 0),
+                    decode_responses=False,
+                )
+                _clients[key] = client
+    return client

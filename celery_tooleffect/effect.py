@@ -1,0 +1,102 @@
+"""The side effect a tool declares, and how a tool name resolves to one.
+
+The effect is a property of the *code*: a tool declares it with the ``effect``
+option of ``@app.task``, a class attribute, or a ``get_effect()`` method.
+Nothing in configuration can change it (see :mod:`celery_tooleffect.task` for
+where relabelling is refused).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+
+class ToolEffect(str, enum.Enum):
+    """What running a tool does to the world outside it."""
+
+    READ_ONLY = "read_only"
+    IDEMPOTENT_WRITE = "idempotent_write"
+    NON_IDEMPOTENT_WRITE = "non_idempotent_write"
+
+    @property
+    def is_write(self) -> bool:
+        """True for both kinds of write: they keep a journal and fail closed."""
+        return self is not ToolEffect.READ_ONLY
+
+    @property
+    def safe_to_retry(self) -> bool:
+        """False only for NON_IDEMPOTENT_WRITE: running it twice doubles its effect."""
+        return self is not ToolEffect.NON_IDEMPOTENT_WRITE
+
+    def mcp_annotations(self, *, open_world: bool = True) -> dict[str, bool]:
+        """The MCP tool annotations matching this effect (always all four hints).
+
+        A write may overwrite or delete, so both writes are ``destructiveHint``;
+        only READ_ONLY is ``readOnlyHint``. ``openWorldHint`` is true unless the
+        tool says it touches nothing outside itself.
+        """
+        return {
+            "readOnlyHint": self is ToolEffect.READ_ONLY,
+            "idempotentHint": self.safe_to_retry,
+            "destructiveHint": self.is_write,
+            "openWorldHint": open_world,
+        }
+
+    @classmethod
+    def coerce(cls, value: object) -> ToolEffect:
+        """Accept a member or its string value; anything else is a clear error."""
+        if isinstance(value, ToolEffect):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        choices = ", ".join(member.value for member in cls)
+        raise ValueError(f"not a tool effect: {value!r} (choose one of {choices})")
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@runtime_checkable
+class ToolEffectInterface(Protocol):
+    """A tool that computes its effect in code rather than by attribute."""
+
+    def get_effect(self) -> ToolEffect: ...
+
+
+class ToolEffectResolver:
+    """Resolves the effect of a tool by name from an app's task registry.
+
+    An unknown name (a stale tool referenced by a persisted step, a typo, a
+    message for a task this worker does not have) resolves to
+    NON_IDEMPOTENT_WRITE: the class that is audit-critical and never retried.
+    """
+
+    UNKNOWN_TOOL_EFFECT = ToolEffect.NON_IDEMPOTENT_WRITE
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+    def effect_for(self, name: str) -> ToolEffect:
+        """The effect of the registered task ``name``; the worst case if unknown."""
+        task = self.app.tasks.get(name)
+        if task is None:
+            return self.UNKNOWN_TOOL_EFFECT
+        return self.effect_for_tool(task)
+
+    @staticmethod
+    def effect_for_tool(task: Any) -> ToolEffect:
+        """The effect a task object declares; READ_ONLY when it declares nothing."""
+        get_effect = getattr(task, "get_effect", None)
+        if callable(get_effect):
+            return ToolEffect.coerce(get_effect())
+        declared = getattr(task, "effect", None)
+        if declared is None:
+            return ToolEffect.READ_ONLY
+        return ToolEffect.coerce(declared)

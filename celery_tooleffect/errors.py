@@ -1,0 +1,96 @@
+"""Exceptions the package raises, each saying what went wrong and what it means."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.exceptions import Ignore, ImproperlyConfigured, Reject
+
+
+class AuditPersistenceFailed(Exception):  # noqa: N818 - the contract's name
+    """A write's audit record could not be stored, so the write fails closed.
+
+    It deliberately carries no failure class: the classifier maps it to
+    UNKNOWN, which is never retried, because the write may already have run.
+    ``body_completed`` says whether the tool body returned before the record
+    was lost (the write certainly ran).
+    """
+
+    def __init__(self, message: str, *, body_completed: bool = False) -> None:
+        super().__init__(message)
+        self.body_completed = body_completed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_audit_failed, (str(self), self.body_completed))
+
+
+def _rebuild_audit_failed(message: str, body_completed: bool) -> AuditPersistenceFailed:
+    return AuditPersistenceFailed(message, body_completed=body_completed)
+
+
+class StoreUnavailable(Exception):  # noqa: N818
+    """The journal's Redis did not answer or refused a write."""
+
+    failure_class = "connection"
+
+
+class IntentNotRecorded(StoreUnavailable):
+    """The intent of a write could not be stored, so its body did not run."""
+
+
+class EffectRelabelRefused(ImproperlyConfigured):
+    """Configuration, a header or a call option tried to change a guarantee.
+
+    A tool's effect, and the options its guarantees depend on, are properties
+    of its code.
+    """
+
+
+class DeadLettered(Reject):
+    """The message was stored as a dead letter and is rejected without requeue.
+
+    ``reason`` (Celery's ``Reject.reason``) is the error that decided it; the
+    classifier unwraps it. ``args`` are plain strings so that the result
+    backend (JSON included) and the ``task-failed`` event Flower shows both
+    carry the failure class and the dead-letter reason.
+    """
+
+    def __init__(
+        self,
+        description: str,
+        failure_class: str,
+        dead_letter_reason: str,
+        reason: BaseException | None = None,
+    ) -> None:
+        super().__init__(reason, requeue=False)
+        self.args = (description, failure_class, dead_letter_reason)
+        self.description = description
+        self.failure_class = failure_class
+        self.dead_letter_reason = dead_letter_reason
+
+    def __str__(self) -> str:
+        return (
+            f"dead-lettered ({self.dead_letter_reason}, failure_class={self.failure_class}): "
+            f"{self.description}"
+        )
+
+    def __repr__(self) -> str:
+        return f"DeadLettered({str(self)!r})"
+
+
+class LeaseLost(Ignore):
+    """This worker no longer owns the attempt; another delivery settles it.
+
+    The outcome was recorded as a ``late_outcome`` audit event. The worker's
+    request class then forgets the message without acknowledging it on Redis:
+    there the delivery tag is shared with the new holder, and an
+    acknowledgement would delete the new holder's copy.
+    """
+
+
+class InterruptedWrite(Exception):  # noqa: N818
+    """A non-idempotent write started and never finished; it is never run again."""
+
+
+class RetriesExhausted(Exception):  # noqa: N818
+    """A tool kept failing or being interrupted until its retry budget was spent."""

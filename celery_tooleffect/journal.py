@@ -1,0 +1,199 @@
+"""The write journal: where each attempt of a write stands, kept in Redis.
+
+The journal is the single arbiter for writes. Every transition is one atomic
+Lua script (``scripts/*.lua``) that also appends the matching audit event to
+the run's stream, so a transition and its audit record are stored together or
+not at all.
+
+States of a task's entry::
+
+    (absent) --begin_attempt--> running --settle--> succeeded
+                                   |  \\--settle--> retry_scheduled --begin_attempt--> running
+                                   |   \\--settle--> failed            (interactive runs)
+                                   |----mark_interrupted--> interrupted
+                                   \\--begin_dead_lettering--> dead_lettering --> dead_lettered
+
+A transition is fenced by the attempt's owner token: a worker that lost its
+lease cannot move the entry, and its outcome is stored as a ``late_outcome``
+event instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import redis
+
+from .audit import AuditLog, flatten
+from .errors import StoreUnavailable
+from .keys import Keys
+from .lua import script
+from .settings import Settings
+
+
+class JournalState(str, enum.Enum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    RETRY_SCHEDULED = "retry_scheduled"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    DEAD_LETTERING = "dead_lettering"
+    DEAD_LETTERED = "dead_lettered"
+    REPLAYED = "replayed"
+
+
+class Verdict(str, enum.Enum):
+    """What :meth:`Journal.begin_attempt` decided for a delivery."""
+
+    STARTED = "started"
+    DONE = "done"
+    DEAD_LETTERED = "dead_lettered"
+    DEAD_LETTERING = "dead_lettering"
+    OWNED = "owned"
+    INTERRUPTED = "interrupted"
+    EXHAUSTED = "exhausted"
+
+
+@dataclass(frozen=True)
+class Begin:
+    """The answer of :meth:`Journal.begin_attempt`."""
+
+    verdict: Verdict
+    attempt: int
+    detail: str
+
+    @property
+    def owner_lease_end(self) -> float:
+        """For OWNED: when the live owner's lease ends (unix seconds)."""
+        return float(self.detail or 0)
+
+
+@dataclass(frozen=True)
+class Transition:
+    """The answer of :meth:`Journal.transition`; true when the entry moved."""
+
+    moved: bool
+    #: The state the entry was in when the script ran ('absent' for none).
+    previous_state: str
+
+    def __bool__(self) -> bool:
+        return self.moved
+
+
+@dataclass(frozen=True)
+class JournalRef:
+    """Which entry: a task of a run."""
+
+    run_id: str
+    task_id: str
+
+
+class Journal:
+    """Transitions of write attempts, each one atomic with its audit event."""
+
+    def __init__(self, settings: Settings, audit: AuditLog) -> None:
+        self.settings = settings
+        self.audit = audit
+        self.keys = Keys(settings.key_prefix)
+
+    @property
+    def client(self) -> redis.Redis:
+        return self.audit.client
+
+    def _keys(self, ref: JournalRef) -> list[str]:
+        return [
+            self.keys.journal(ref.run_id, ref.task_id),
+            self.keys.run_events(ref.run_id),
+            self.keys.run_seq(ref.run_id),
+        ]
+
+    def begin_attempt(
+        self,
+        ref: JournalRef,
+        *,
+        token: str,
+        effect: str,
+        lease_end: float,
+        attempts_allowed: int,
+        event: Mapping[str, str],
+    ) -> Begin:
+        """Record the intent of an attempt, or say why this delivery must not run.
+
+        Raises :class:`StoreUnavailable` when the journal cannot be read or
+        written: the body must not run then.
+        """
+        try:
+            verdict, attempt, detail = script("begin_attempt")(
+                self.client,
+                self._keys(ref),
+                [
+                    token,
+                    f"{time.time():.6f}",
+                    f"{lease_end:.6f}",
+                    effect,
+                    attempts_allowed,
+                    self.settings.journal_ttl,
+                    self.settings.run_stream_maxlen,
+                    *flatten(event),
+                ],
+            )
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"journal unavailable: {exc}") from exc
+        result = Begin(Verdict(verdict.decode()), int(attempt), detail.decode())
+        if result.verdict in (Verdict.STARTED, Verdict.DONE, Verdict.DEAD_LETTERED):
+            self.audit.copy_to_global(event)
+        return result
+
+    def transition(
+        self,
+        ref: JournalRef,
+        *,
+        new_state: JournalState,
+        allowed: Iterable[JournalState | str],
+        event: Mapping[str, str],
+        token: str = "",
+        fields: Mapping[str, str] | None = None,
+        record_late: bool = True,
+    ) -> Transition:
+        """Move the entry to ``new_state`` and store ``event``, atomically.
+
+        The answer is true when moved. It is false when the entry is owned by
+        another attempt or is in a state not in ``allowed``: the event is then
+        stored as a ``late_outcome`` (unless ``record_late`` is false).
+        Raises :class:`StoreUnavailable` when nothing could be stored.
+        """
+        journal_fields = flatten(fields or {})
+        try:
+            answer = script("transition")(
+                self.client,
+                self._keys(ref),
+                [
+                    token,
+                    " ".join(str(getattr(state, "value", state)) for state in allowed),
+                    new_state.value,
+                    self.settings.journal_ttl,
+                    self.settings.run_stream_maxlen,
+                    f"{time.time():.6f}",
+                    "1" if record_late else "0",
+                    len(journal_fields) // 2,
+                    *journal_fields,
+                    *flatten(event),
+                ],
+            )
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"journal unavailable: {exc}") from exc
+        moved = answer[0] == b"ok"
+        if moved or record_late:
+            self.audit.copy_to_global(event)
+        return Transition(moved, answer[1].decode())
+
+    def read(self, ref: JournalRef) -> dict[str, str]:
+        """The entry's fields (empty when there is none)."""
+        try:
+            raw = self.client.hgetall(self.keys.journal(ref.run_id, ref.task_id))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"journal unavailable: {exc}") from exc
+        return {key.decode(): value.decode() for key, value in raw.items()}

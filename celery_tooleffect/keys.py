@@ -1,0 +1,60 @@
+"""Redis key names, all under one prefix.
+
+The atomic unit is a run: its journal entries, its audit stream and its event
+counter share the hash tag ``{run_id}`` so that the transition scripts work on
+Redis Cluster. Dead-letter keys share the tag ``{dlq:<queue>}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def hash_tag(value: str) -> str:
+    """``value`` made safe to sit between the braces of a hash tag."""
+    return value.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under ``prefix``."""
+
+    prefix: str = "tooleffect:"
+
+    def run(self, run_id: str) -> str:
+        return f"{self.prefix}{{{hash_tag(run_id)}}}"
+
+    def journal(self, run_id: str, task_id: str) -> str:
+        """The journal entry (a hash) of one task of a run."""
+        return f"{self.run(run_id)}:journal:{task_id}"
+
+    def run_events(self, run_id: str) -> str:
+        """The audit stream of one run."""
+        return f"{self.run(run_id)}:events"
+
+    def run_seq(self, run_id: str) -> str:
+        """The counter that numbers a run's audit events."""
+        return f"{self.run(run_id)}:seq"
+
+    @property
+    def global_events(self) -> str:
+        """The stream all events are copied to, best effort, for tailing."""
+        return f"{self.prefix}events"
+
+    def dead_letters(self, queue: str) -> str:
+        """The hash of dead-letter envelopes of ``queue``, by task id."""
+        return f"{self.prefix}{{dlq:{hash_tag(queue)}}}:envelopes"
+
+    def dead_letter_index(self, queue: str) -> str:
+        """The sorted set of a queue's dead letters by the time they were stored."""
+        return f"{self.prefix}{{dlq:{hash_tag(queue)}}}:index"
+
+    @property
+    def dead_letter_queues(self) -> str:
+        """The set of queues that have (or had) dead letters."""
+        return f"{self.prefix}dlq:queues"
+
+    @property
+    def dead_letter_locations(self) -> str:
+        """Task id to queue, so that a dead letter is found by task id alone."""
+        return f"{self.prefix}dlq:where"

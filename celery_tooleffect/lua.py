@@ -1,0 +1,49 @@
+"""Lua scripts shipped beside the package, read once and run by SHA.
+
+Each script is ``scripts/prelude.lua`` followed by its own file, so helpers
+such as ``append_event`` live in one place. A script is sent in full only when
+the server answers NOSCRIPT (first use, or after a restart or SCRIPT FLUSH).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError
+
+KeyOrArg = str | bytes | int | float
+
+
+class LuaScript:
+    """One script: its text, its SHA1, and a call that loads it when needed."""
+
+    def __init__(self, name: str, text: str) -> None:
+        self.name = name
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def __call__(
+        self, client: redis.Redis, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]
+    ) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(self.text)
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+    def __repr__(self) -> str:
+        return f"LuaScript({self.name!r}, sha={self.sha[:12]})"
+
+
+@functools.cache
+def script(name: str) -> LuaScript:
+    """The script ``scripts/<name>.lua`` with the shared prelude, read once."""
+    folder = resources.files("celery_tooleffect") / "scripts"
+    prelude = (folder / "prelude.lua").read_text(encoding="utf-8")
+    body = (folder / f"{name}.lua").read_text(encoding="utf-8")
+    return LuaScript(name, f"{prelude}\n{body}")

@@ -1,0 +1,222 @@
+"""``ToolRequest``: how the worker's main process ends a tool call it had to stop.
+
+A pool child that dies (SIGKILL, OOM, ``WorkerLostError``) or hits its hard time
+limit never runs task code again, so these endings are decided here:
+
+- the journal moves to ``interrupted``, only if this delivery's attempt still
+  owns it (the owner token is made here and handed to the child);
+- a NON_IDEMPOTENT_WRITE whose body had started is dead-lettered
+  INTERRUPTED_WRITE and never runs again;
+- everything else is published again as a retry (counted against the same
+  budget as failures) and dead-lettered RETRIES_EXHAUSTED once it is spent.
+
+It also forgets, without acknowledging, a message whose attempt lost its
+lease (see :class:`~celery_tooleffect.errors.LeaseLost`), and adds the failure
+class to the ``task-failed`` event that Flower shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from billiard.einfo import ExceptionInfo
+from billiard.exceptions import WorkerLostError
+from celery.exceptions import Retry, TimeLimitExceeded
+from celery.worker import state as worker_state
+from celery.worker.request import Request
+from kombu.transport.virtual.base import QoS as VirtualQoS
+
+from .attempt import FORGED_FIELD, TOKEN_FIELD, Attempt, forged_headers, queue_name, resolve_run_id
+from .dead_letters import DeadLetterReason
+from .effect import ToolEffect
+from .errors import DeadLettered, LeaseLost, RetriesExhausted, StoreUnavailable
+from .journal import JournalState
+from .runtime import ToolRuntime, build_letter, runtime_for
+
+logger = logging.getLogger(__name__)
+
+#: Journal states that mean the pool child settled the attempt before it died.
+SETTLED_STATES = frozenset({JournalState.SUCCEEDED.value, JournalState.DEAD_LETTERED.value})
+
+
+def _exception_info(exc: BaseException) -> ExceptionInfo:
+    try:
+        raise exc
+    except BaseException:
+        return ExceptionInfo()
+
+
+class ToolRequest(Request):  # type: ignore[misc]
+    """The request class of every ``ToolTask``."""
+
+    def __init__(self, message: Any, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self._tooleffect_token = uuid.uuid4().hex
+        self._tooleffect_done = False
+        self._tooleffect_failure_class: str | None = None
+        # Computed before our own fields are added: any tooleffect_* header
+        # other than the run id came from the producer and is refused.
+        forged = forged_headers(self._request_dict)
+        self._request_dict[TOKEN_FIELD] = self._tooleffect_token
+        self._request_dict[FORGED_FIELD] = forged
+
+    @property
+    def runtime(self) -> ToolRuntime:
+        return runtime_for(self._app or self.task.app)
+
+    def _attempt(self) -> Attempt:
+        task = self.task
+        fields = self._request_dict
+        return Attempt(
+            task_id=self.id,
+            run_id=resolve_run_id(fields, self.id),
+            name=self.name,
+            effect=getattr(task, "tool_effect", ToolEffect.NON_IDEMPOTENT_WRITE),
+            queue=queue_name(self.delivery_info, task.app.conf.task_default_queue),
+            token=self._tooleffect_token,
+            redelivered=bool((self.delivery_info or {}).get("redelivered")),
+            interactive=False,
+            retries=int(fields.get("retries") or 0),
+        )
+
+    # -- endings decided here -------------------------------------------------
+
+    def on_failure(
+        self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        if self._tooleffect_done:
+            return None
+        exc = getattr(exc_info.exception, "exc", exc_info.exception)
+        if isinstance(exc, LeaseLost):
+            self._tooleffect_done = True
+            worker_state.task_ready(self)
+            return self._forget_delivery()
+        lost_child = isinstance(exc, WorkerLostError) or (
+            isinstance(exc, (SystemExit, KeyboardInterrupt))
+            and not (self._already_cancelled or self._already_revoked)
+        )
+        if lost_child or isinstance(exc, TimeLimitExceeded):
+            return self._on_interrupted(exc)
+        try:
+            self._tooleffect_failure_class = self.runtime.classifier.classify(exc).value
+        except Exception:
+            self._tooleffect_failure_class = None
+        return super().on_failure(exc_info, send_failed_event=send_failed_event,
+                                  return_ok=return_ok)
+
+    def on_timeout(self, soft: bool, timeout: float) -> Any:
+        if soft or worker_state.should_terminate:
+            return super().on_timeout(soft, timeout)
+        logger.error("Hard time limit (%ss) exceeded for %s[%s]", timeout, self.name, self.id)
+        return self._on_interrupted(TimeLimitExceeded(timeout))
+
+    def send_event(self, type: str, **fields: Any) -> Any:
+        if type == "task-failed" and self._tooleffect_failure_class:
+            fields.setdefault("failure_class", self._tooleffect_failure_class)
+        return super().send_event(type, **fields)
+
+    def _on_interrupted(self, exc: BaseException) -> None:
+        """The child died or hit its hard limit: decide the attempt's ending."""
+        self._tooleffect_done = True
+        runtime = self.runtime
+        attempt = self._attempt()
+        why = "time_limit" if isinstance(exc, TimeLimitExceeded) else "worker_lost"
+        failure_class = runtime.classifier.classify(exc)
+        event = attempt.context.event(
+            "interrupted", why, exception=exc, failure_class=failure_class.value
+        )
+        body_started = True
+        if attempt.effect.is_write:
+            try:
+                moved = runtime.journal.transition(
+                    attempt.ref, new_state=JournalState.INTERRUPTED,
+                    allowed=[JournalState.RUNNING], token=attempt.token, event=event,
+                    record_late=False,
+                )
+            except StoreUnavailable as store_down:
+                # Whether the body began is unknown: assume it did (fail closed).
+                logger.error("journal down while %s[%s] was interrupted: %s",
+                             self.name, self.id, store_down)
+            else:
+                if not moved and moved.previous_state in SETTLED_STATES:
+                    worker_state.task_ready(self)
+                    self.acknowledge()
+                    return
+                body_started = bool(moved)
+        else:
+            runtime.audit.record_step(event)
+
+        if attempt.effect is ToolEffect.NON_IDEMPOTENT_WRITE and body_started:
+            self._dead_letter(attempt, DeadLetterReason.INTERRUPTED_WRITE, exc, event)
+        elif attempt.retries >= runtime.settings.max_retries:
+            self._dead_letter(
+                attempt, DeadLetterReason.RETRIES_EXHAUSTED,
+                RetriesExhausted(f"{self.name}[{self.id}] interrupted ({why}); "
+                                 "retry budget spent"),
+                event,
+            )
+        else:
+            self._run_again(attempt, exc)
+
+    def _dead_letter(
+        self, attempt: Attempt, reason: DeadLetterReason, exc: BaseException,
+        event: dict[str, str],
+    ) -> None:
+        runtime = self.runtime
+        failure_class = runtime.classifier.classify(exc)
+        letter = build_letter(
+            attempt, reason=reason, failure_class=failure_class, exc=exc,
+            args=self.args, kwargs=self.kwargs,
+            options={
+                "root_id": self._request_dict.get("root_id"),
+                "parent_id": self._request_dict.get("parent_id"),
+                "retries": attempt.retries,
+                "priority": (self.delivery_info or {}).get("priority"),
+                "exchange": (self.delivery_info or {}).get("exchange"),
+                "routing_key": (self.delivery_info or {}).get("routing_key"),
+            },
+            attempts=attempt.retries + 1,
+        )
+        try:
+            rejection: DeadLettered = runtime.dead_letter(
+                attempt, letter, outcome_event=dict(event, phase="outcome", status=reason.value),
+                owned=False, exc=exc, journalled=attempt.effect.is_write,
+            )
+        except (StoreUnavailable, LeaseLost) as kept:
+            logger.error("%s[%s] not dead-lettered, requeueing: %s", self.name, self.id, kept)
+            worker_state.task_ready(self)
+            self.reject(requeue=True)
+            return
+        self._tooleffect_failure_class = failure_class.value
+        super().on_failure(_exception_info(rejection))
+
+    def _run_again(self, attempt: Attempt, exc: BaseException) -> None:
+        """Publish the task again as a retry, then acknowledge this delivery."""
+        signature = self.task.signature_from_request(
+            self._context, retries=attempt.retries + 1
+        )
+        try:
+            signature.apply_async()
+        except Exception as publish_failed:
+            logger.error("%s[%s] not republished, requeueing: %s", self.name, self.id,
+                         publish_failed)
+            worker_state.task_ready(self)
+            self.reject(requeue=True)
+            return
+        super().on_failure(_exception_info(Retry(exc=exc, sig=signature)))
+
+    def _forget_delivery(self) -> None:
+        """Drop the message locally without acknowledging it on the broker.
+
+        On Redis the delivery tag is shared with the new holder of the
+        message; an acknowledgement would delete the new holder's copy.
+        """
+        message = self._message
+        qos = getattr(getattr(message, "channel", None), "qos", None)
+        if self.runtime.settings.broker_is_redis and isinstance(qos, VirtualQoS):
+            VirtualQoS.ack(qos, message.delivery_tag)
+            self.acknowledged = True
+        else:
+            self.acknowledge()

@@ -1,0 +1,177 @@
+"""The parts one app's tools share, and the dead-letter protocol built on them.
+
+The pool process (``ToolTask``) and the worker's main process (``ToolRequest``)
+both dead-letter, so the order of that protocol lives here, once:
+
+1. journal to ``dead_lettering`` with the outcome event (skipped when the store
+   is down; refused when another attempt owns the entry: then this worker
+   lost its lease and must not dead-letter);
+2. store the dead letter (``HSETNX``: the first reason wins); if that fails the
+   caller keeps the message;
+3. journal to ``dead_lettered`` (best effort: a later delivery that finds
+   ``dead_lettering`` finishes it);
+4. the caller rejects the message without requeue.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .attempt import Attempt
+from .audit import AuditLog
+from .dead_letters import DeadLetter, DeadLetterReason, DeadLetters
+from .errors import DeadLettered, LeaseLost, StoreUnavailable
+from .failures import FailureClass, FailureClassifier
+from .journal import Journal, JournalState
+from .settings import Settings, settings_for
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+logger = logging.getLogger(__name__)
+
+#: Journal states a dead letter may be begun from.
+DEAD_LETTER_FROM = (
+    "absent",
+    JournalState.RUNNING,
+    JournalState.RETRY_SCHEDULED,
+    JournalState.INTERRUPTED,
+    JournalState.REPLAYED,
+    JournalState.FAILED,
+)
+
+
+class ToolRuntime:
+    """Settings, audit log, journal, dead letters and classifier of one app."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.settings: Settings = settings_for(app)
+        self.audit = AuditLog(app, self.settings)
+        self.journal = Journal(self.settings, self.audit)
+        self.dead_letters = DeadLetters(app, self.settings)
+        self.classifier = FailureClassifier.from_setting(self.settings.failure_classes)
+
+    def dead_letter(
+        self,
+        attempt: Attempt,
+        letter: DeadLetter,
+        *,
+        outcome_event: Mapping[str, str],
+        owned: bool,
+        exc: BaseException | None,
+        journalled: bool,
+        allowed: Iterable[JournalState | str] | None = None,
+    ) -> DeadLettered:
+        """Dead-letter ``attempt``; return the exception that rejects its message.
+
+        ``owned``: the caller holds the attempt's owner token, so step 1 is
+        fenced by it. Raises :class:`LeaseLost` when another attempt owns the
+        entry, and :class:`StoreUnavailable` when the dead letter could not be
+        stored (the message must then be kept). ``journalled`` is false for
+        read-only tools and for messages refused before any attempt began.
+        """
+        ref = attempt.ref
+        context = attempt.context
+        if allowed is None:
+            # Without the owner token a running attempt is someone else's.
+            allowed = DEAD_LETTER_FROM if owned else DEAD_LETTER_FROM[:1] + DEAD_LETTER_FROM[2:]
+        if journalled:
+            try:
+                moved = self.journal.transition(
+                    ref,
+                    new_state=JournalState.DEAD_LETTERING,
+                    allowed=allowed,
+                    token=attempt.token if owned else "",
+                    event=outcome_event,
+                    fields={
+                        "reason": letter.reason,
+                        "failure_class": letter.failure_class,
+                        "exception_type": letter.exception_type,
+                        "body_completed": "1" if letter.body_completed else "0",
+                    },
+                )
+            except StoreUnavailable as store_down:
+                logger.warning("journal down while dead-lettering %s: %s", ref.task_id, store_down)
+            else:
+                if not moved:
+                    raise LeaseLost(f"{ref.task_id}: another attempt owns the journal entry")
+        else:
+            self.audit.record_step(outcome_event)
+
+        self.dead_letters.store(letter)
+
+        dead_lettered_event = context.event(
+            "dead_lettered",
+            letter.reason,
+            attempt=letter.attempts or None,
+            failure_class=letter.failure_class,
+            exception_type=letter.exception_type,
+        )
+        if journalled:
+            try:
+                self.journal.transition(
+                    ref,
+                    new_state=JournalState.DEAD_LETTERED,
+                    allowed=[JournalState.DEAD_LETTERING],
+                    event=dead_lettered_event,
+                )
+            except StoreUnavailable as store_down:
+                logger.warning("journal down after dead-lettering %s: %s", ref.task_id, store_down)
+        else:
+            self.audit.record_step(dead_lettered_event)
+        return DeadLettered(
+            f"{letter.exception_type or 'error'} in {letter.name}[{letter.task_id}]",
+            letter.failure_class,
+            letter.reason,
+            reason=exc,
+        )
+
+
+def build_letter(
+    attempt: Attempt,
+    *,
+    reason: DeadLetterReason,
+    failure_class: FailureClass,
+    exc: BaseException | None,
+    args: Any,
+    kwargs: Any,
+    options: Mapping[str, Any],
+    attempts: int,
+    body_completed: bool = False,
+) -> DeadLetter:
+    """The dead letter of ``attempt``: its envelope and why it is one."""
+    headers = {"tooleffect_run_id": attempt.run_id}
+    return DeadLetter(
+        task_id=attempt.task_id,
+        name=attempt.name,
+        queue=attempt.queue,
+        reason=reason.value,
+        failure_class=failure_class.value,
+        effect=attempt.effect.value,
+        args=list(args or ()),
+        kwargs=dict(kwargs or {}),
+        headers=headers,
+        options={key: value for key, value in options.items() if value is not None},
+        run_id=attempt.run_id,
+        exception_type=type(exc).__qualname__ if exc is not None else "",
+        error=str(exc) if exc is not None else "",
+        attempts=attempts,
+        worker=attempt.context.worker,
+        body_completed=body_completed,
+    )
+
+
+_runtimes: weakref.WeakKeyDictionary[Any, ToolRuntime] = weakref.WeakKeyDictionary()
+
+
+def runtime_for(app: Celery) -> ToolRuntime:
+    """The runtime of ``app``, built once per app."""
+    runtime = _runtimes.get(app)
+    if runtime is None:
+        runtime = ToolRuntime(app)
+        _runtimes[app] = runtime
+    return runtime

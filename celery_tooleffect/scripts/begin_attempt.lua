@@ -1,0 +1,79 @@
+-- Decide whether this delivery of a write may run its body, and if so record
+-- the intent (journal to 'running' under the caller's owner token) together
+-- with its audit event.
+--
+-- KEYS[1] journal hash, KEYS[2] run stream, KEYS[3] run event counter
+-- ARGV[1] owner token        ARGV[2] now (unix seconds, float)
+-- ARGV[3] lease end          ARGV[4] effect
+-- ARGV[5] attempts allowed   ARGV[6] ttl seconds
+-- ARGV[7] stream MAXLEN      ARGV[8..] event field/value pairs
+--
+-- Returns {verdict, attempt, detail}:
+--   started         the body may run (detail: 'new' or 'reclaimed')
+--   done            the outcome is recorded already: acknowledge, do not run
+--   dead_lettered   the task is a dead letter already: acknowledge, do not run
+--   dead_lettering  a dead letter was begun and not finished (detail: reason)
+--   owned           a live owner runs it (detail: its lease end)
+--   interrupted     a non-idempotent write started and never finished
+--   exhausted       the attempt budget is spent
+
+local journal, stream, seq = KEYS[1], KEYS[2], KEYS[3]
+local token, now, lease_end = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local effect, allowed, ttl, maxlen = ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
+local fields = slice(ARGV, 8, #ARGV)
+
+local current = redis.call('HMGET', journal, 'state', 'attempt', 'owner', 'lease_end', 'reason')
+local state, attempt, owner = current[1], tonumber(current[2] or '0'), current[3]
+local owner_lease_end, pending_reason = tonumber(current[4] or '0'), current[5]
+
+-- A re-sent begin of the attempt we already own (a reconnect retried it).
+if state == 'running' and owner == token then
+  return {'started', attempt, 'same'}
+end
+if state == 'succeeded' then
+  append_event(stream, seq, maxlen, ttl, fields,
+    {phase = 'duplicate_ignored', status = 'succeeded', attempt = attempt})
+  return {'done', attempt, ''}
+end
+if state == 'dead_lettered' then
+  append_event(stream, seq, maxlen, ttl, fields,
+    {phase = 'duplicate_ignored', status = 'dead_lettered', attempt = attempt})
+  return {'dead_lettered', attempt, ''}
+end
+if state == 'dead_lettering' then
+  return {'dead_lettering', attempt, pending_reason or ''}
+end
+
+local detail = 'new'
+if state == 'running' then
+  if owner_lease_end > now then
+    return {'owned', attempt, tostring(owner_lease_end)}
+  end
+  -- The owner's lease lapsed without an outcome: its worker is gone.
+  state = 'interrupted'
+  redis.call('HSET', journal, 'state', state, 'updated_at', ARGV[2])
+  redis.call('EXPIRE', journal, ttl)
+  append_event(stream, seq, maxlen, ttl, fields,
+    {phase = 'interrupted', status = 'lease_lapsed', attempt = attempt})
+  if effect == 'non_idempotent_write' then
+    return {'interrupted', attempt, 'lease_lapsed'}
+  end
+  detail = 'reclaimed'
+elseif state == 'interrupted' then
+  if effect == 'non_idempotent_write' then
+    return {'interrupted', attempt, 'interrupted'}
+  end
+  detail = 'reclaimed'
+end
+
+if attempt >= allowed then
+  return {'exhausted', attempt, detail}
+end
+
+attempt = attempt + 1
+redis.call('HSET', journal, 'state', 'running', 'attempt', attempt, 'owner', token,
+  'lease_end', lease_end, 'effect', effect, 'updated_at', ARGV[2])
+redis.call('EXPIRE', journal, ttl)
+append_event(stream, seq, maxlen, ttl, fields,
+  {phase = 'intent', status = 'started', attempt = attempt, reclaimed = detail})
+return {'started', attempt, detail}

@@ -1,0 +1,52 @@
+-- Move a journal entry to a new state and append the matching audit event,
+-- atomically. Fenced: only the owner of the attempt may move it, and only
+-- from the states the caller allows. A caller that may not move it still has
+-- its event stored, as phase 'late_outcome', so no outcome goes unrecorded.
+--
+-- KEYS[1] journal hash, KEYS[2] run stream, KEYS[3] run event counter
+-- ARGV[1] owner token ('' = any owner)
+-- ARGV[2] allowed current states, space separated ('absent' = no entry yet)
+-- ARGV[3] new state          ARGV[4] ttl seconds
+-- ARGV[5] stream MAXLEN      ARGV[6] now (unix seconds)
+-- ARGV[7] '1' to store the event as a late_outcome when refused, '0' not to
+-- ARGV[8] N, the number of extra journal field/value pairs
+-- ARGV[9 .. 8+2N] journal field/value pairs, then event field/value pairs
+--
+-- Returns {'ok', previous state}, or {'late' | 'refused', current state, owner}.
+
+local journal, stream, seq = KEYS[1], KEYS[2], KEYS[3]
+local token, allowed, new_state = ARGV[1], ARGV[2], ARGV[3]
+local ttl, maxlen, now = ARGV[4], ARGV[5], ARGV[6]
+local record_late = ARGV[7] == '1'
+local n = tonumber(ARGV[8])
+local journal_fields = slice(ARGV, 9, 8 + 2 * n)
+local event_fields = slice(ARGV, 9 + 2 * n, #ARGV)
+
+local current = redis.call('HMGET', journal, 'state', 'owner')
+local state, owner = current[1] or 'absent', current[2] or ''
+
+local state_allowed = false
+for name in string.gmatch(allowed, '%S+') do
+  if name == state then state_allowed = true end
+end
+
+if state_allowed and (token == '' or owner == token or state == 'absent') then
+  redis.call('HSET', journal, 'state', new_state, 'updated_at', now)
+  if #journal_fields > 0 then
+    redis.call('HSET', journal, unpack(journal_fields))
+  end
+  redis.call('EXPIRE', journal, ttl)
+  append_event(stream, seq, maxlen, ttl, event_fields, {})
+  return {'ok', state}
+end
+
+if not record_late then
+  return {'refused', state, owner}
+end
+local phase = ''
+for i = 1, #event_fields, 2 do
+  if event_fields[i] == 'phase' then phase = event_fields[i + 1] end
+end
+append_event(stream, seq, maxlen, ttl, event_fields,
+  {phase = 'late_outcome', late_phase = phase, journal_state = state})
+return {'late', state, owner}

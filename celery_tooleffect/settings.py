@@ -1,0 +1,130 @@
+"""The package's settings: Celery settings prefixed ``tooleffect_``, read here only.
+
+Every setting is documented in the README's settings table. An unknown
+``tooleffect_*`` key is an error: a misspelt setting must not silently fall
+back to a default, and no setting may relabel a tool's effect.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import EffectRelabelRefused
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+PREFIX = "tooleffect_"
+PRIVACY_LEVELS = ("metadata", "redacted", "full")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://")
+
+DEFAULTS: dict[str, Any] = {
+    "tooleffect_redis_url": None,
+    "tooleffect_key_prefix": "tooleffect:",
+    "tooleffect_max_retries": 3,
+    "tooleffect_backoff_base": 30.0,
+    "tooleffect_backoff_cap": 600.0,
+    "tooleffect_privacy": "metadata",
+    "tooleffect_retention": 7 * 24 * 3600,
+    "tooleffect_run_stream_maxlen": 10_000,
+    "tooleffect_global_stream_maxlen": 100_000,
+    "tooleffect_failure_classes": {},
+    "tooleffect_socket_timeout": 5.0,
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The resolved settings of one app."""
+
+    redis_url: str
+    dead_letter_url: str
+    key_prefix: str
+    max_retries: int
+    backoff_base: float
+    backoff_cap: float
+    privacy: str
+    retention: int
+    run_stream_maxlen: int
+    global_stream_maxlen: int
+    failure_classes: Mapping[str, str]
+    socket_timeout: float
+    broker_is_redis: bool
+    visibility_timeout: float
+    broker_transport_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def backoff(self, retries: int) -> float:
+        """Seconds to wait before retry number ``retries + 1``."""
+        return float(min(self.backoff_base * (2**retries), self.backoff_cap))
+
+    @property
+    def journal_ttl(self) -> int:
+        """How long a journal entry lives: past any redelivery of its message."""
+        redeliveries = self.visibility_timeout * (self.max_retries + 2)
+        return int(max(self.retention, redeliveries + self.backoff_cap * self.max_retries))
+
+
+_cache: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary()
+
+
+def settings_for(app: Celery) -> Settings:
+    """The settings of ``app``, read and validated once."""
+    cached = _cache.get(app)
+    if cached is None:
+        cached = _read(app)
+        _cache[app] = cached
+    return cached
+
+
+def forget(app: Celery) -> None:
+    """Drop the cached settings of ``app`` (after its configuration changed)."""
+    _cache.pop(app, None)
+
+
+def _read(app: Celery) -> Settings:
+    conf = app.conf
+    unknown = sorted(
+        key
+        for key in conf.keys()
+        if isinstance(key, str) and key.lower().startswith(PREFIX) and key.lower() not in DEFAULTS
+    )
+    if unknown:
+        raise EffectRelabelRefused(
+            f"unknown setting(s) {', '.join(unknown)}: celery-tooleffect settings are "
+            f"{', '.join(sorted(DEFAULTS))}; a tool's effect is declared in code "
+            "and cannot be configured"
+        )
+
+    def get(key: str) -> Any:
+        value = conf.get(key)
+        return DEFAULTS[key] if value is None else value
+
+    broker_url = str(conf.broker_url or app.connection_for_write().as_uri(include_password=True))
+    broker_is_redis = broker_url.startswith(REDIS_SCHEMES)
+    redis_url = get("tooleffect_redis_url") or (
+        broker_url if broker_is_redis else "redis://127.0.0.1:6379/0"
+    )
+    transport_options = dict(conf.broker_transport_options or {})
+    privacy = str(get("tooleffect_privacy")).lower()
+    if privacy not in PRIVACY_LEVELS:
+        raise ValueError(f"tooleffect_privacy must be one of {PRIVACY_LEVELS}, not {privacy!r}")
+    return Settings(
+        redis_url=str(redis_url),
+        dead_letter_url=broker_url if broker_is_redis else str(redis_url),
+        key_prefix=str(get("tooleffect_key_prefix")),
+        max_retries=int(get("tooleffect_max_retries")),
+        backoff_base=float(get("tooleffect_backoff_base")),
+        backoff_cap=float(get("tooleffect_backoff_cap")),
+        privacy=privacy,
+        retention=int(get("tooleffect_retention")),
+        run_stream_maxlen=int(get("tooleffect_run_stream_maxlen")),
+        global_stream_maxlen=int(get("tooleffect_global_stream_maxlen")),
+        failure_classes=dict(get("tooleffect_failure_classes")),
+        socket_timeout=float(get("tooleffect_socket_timeout")),
+        broker_is_redis=broker_is_redis,
+        visibility_timeout=float(transport_options.get("visibility_timeout", 3600)),
+        broker_transport_options=transport_options,
+    )

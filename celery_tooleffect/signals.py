@@ -1,0 +1,75 @@
+"""Signal handlers that give what the worker reports a failure class.
+
+``task_failure`` fires for every failure Celery reports, including the
+dead-lettering ``Reject`` (whose ``reason`` is the original error) and the
+hard time limits and lost workers seen only by the main process. The handler
+classifies it, logs the class, and audits failures that ``ToolTask`` itself
+never saw (raised by Celery around the task). It is connected once, when the
+first ``ToolTask`` is bound.
+
+Celery stores the failure on the result backend *before* this signal fires,
+so what the backend entry must carry is put there by the task (see
+:class:`celery_tooleffect.errors.DeadLettered`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.signals import task_failure
+
+from .attempt import queue_name, resolve_run_id
+from .audit import StepContext, worker_identity
+from .errors import DeadLettered
+
+logger = logging.getLogger(__name__)
+
+#: Set on an exception once ToolTask has audited it.
+AUDITED_MARK = "_tooleffect_audited"
+
+
+def connect_signals() -> None:
+    """Connect the package's handlers (idempotent)."""
+    task_failure.connect(
+        classify_reported_failure, weak=False, dispatch_uid="celery_tooleffect.task_failure"
+    )
+
+
+def classify_reported_failure(
+    sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
+    **_: Any,
+) -> None:
+    """Log the class of a tool's reported failure; audit it if nobody did."""
+    effect = getattr(sender, "tool_effect", None)
+    if effect is None or exception is None or task_id is None:
+        return
+    from .runtime import runtime_for
+
+    try:
+        runtime = runtime_for(sender.app)
+        failure_class = runtime.classifier.classify(exception)
+        logger.warning(
+            "tool %s[%s] failed: failure_class=%s exception=%s",
+            sender.name, task_id, failure_class.value, type(exception).__name__,
+        )
+        if isinstance(exception, DeadLettered) or getattr(exception, AUDITED_MARK, False):
+            return
+        fields = vars(sender.request)
+        context = StepContext(
+            run_id=resolve_run_id(fields, task_id),
+            task_id=task_id,
+            tool=sender.name,
+            effect=effect,
+            queue=queue_name(fields.get("delivery_info"), sender.app.conf.task_default_queue),
+            redelivered=False,
+            worker=worker_identity(),
+        )
+        runtime.audit.record_step(
+            context.event(
+                "failure_reported", "failed", exception=exception,
+                failure_class=failure_class.value,
+            )
+        )
+    except Exception:  # a signal handler must never break the worker
+        logger.exception("could not classify the failure of %s", task_id)

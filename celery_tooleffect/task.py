@@ -1,0 +1,563 @@
+"""``ToolTask``: the Celery task base class that makes a task a safe agent tool.
+
+It orchestrates; the Redis details live in the journal, audit and dead-letter
+modules. For a write, in this order: record the intent (or do not run), run
+the body, record the outcome (or fail closed). For a failure: classify it with
+the original exception, then retry, dead-letter or (interactive runs) raise.
+
+Interactive runs (``apply()``, eager mode, a direct call) are journalled like
+queued ones but never retried and never rejected: they raise, and settle
+FAILURE.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, NoReturn
+
+from celery import Task
+from celery.app.annotations import resolve_all_annotations
+from celery.app.task import Context
+from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
+
+from .audit import describe_payload
+from .attempt import (
+    FORGED_FIELD,
+    TOKEN_FIELD,
+    Attempt,
+    forged_headers,
+    queue_name,
+    resolve_run_id,
+)
+from .dead_letters import DeadLetterReason
+from .effect import ToolEffect, ToolEffectResolver
+from .errors import (
+    AuditPersistenceFailed,
+    EffectRelabelRefused,
+    IntentNotRecorded,
+    InterruptedWrite,
+    LeaseLost,
+    RetriesExhausted,
+    StoreUnavailable,
+)
+from .failures import FailureClass, is_no_side_effect
+from .journal import Begin, JournalState, Verdict
+from .runtime import ToolRuntime, build_letter, runtime_for
+from .settings import DEFAULTS, PREFIX
+from .signals import connect_signals
+
+logger = logging.getLogger(__name__)
+
+#: Options the guarantees depend on: no annotation or call option may set them.
+PROTECTED_OPTIONS = frozenset(
+    {
+        "effect",
+        "get_effect",
+        "operation_deadline",
+        "acks_late",
+        "acks_on_failure_or_timeout",
+        "acks_on_failure",
+        "acks_on_timeout",
+        "reject_on_worker_lost",
+        "retry_on_worker_lost",
+        "Request",
+        "Strategy",
+        "__call__",
+        "run",
+    }
+)
+
+
+class AttemptInProgress(Exception):  # noqa: N818
+    """An interactive call found the same task id running elsewhere."""
+
+    failure_class = FailureClass.CONNECTION.value
+
+
+class ToolTask(Task):  # type: ignore[misc]
+    """Base class of agent tools. See the package README for the guarantees."""
+
+    #: The tool's side effect; a tool that declares nothing is READ_ONLY.
+    effect: ClassVar[ToolEffect | str | None] = None
+    #: Seconds a write may take; its lease is secured for this long.
+    operation_deadline: ClassVar[float | None] = None
+    #: Whether the tool reaches outside the system (MCP ``openWorldHint``).
+    open_world: ClassVar[bool] = True
+
+    abstract = True
+    acks_late = True
+    reject_on_worker_lost = True
+    retry_on_worker_lost = False
+    acks_on_failure_or_timeout = False
+    Request = "celery_tooleffect.request:ToolRequest"
+
+    #: The effect resolved when the task is bound.
+    tool_effect: ClassVar[ToolEffect] = ToolEffect.READ_ONLY
+    _signature: ClassVar[inspect.Signature | None] = None
+
+    # -- binding and declaration -------------------------------------------
+
+    @classmethod
+    def bind(cls, app: Any) -> Any:
+        bound = super().bind(app)
+        cls.tool_effect = ToolEffectResolver.effect_for_tool(cls)
+        if cls.operation_deadline is not None and float(cls.operation_deadline) <= 0:
+            raise ImproperlyConfigured(f"{cls.name}: operation_deadline must be positive")
+        if (
+            cls.tool_effect.is_write
+            and cls.operation_deadline is not None
+            and cls.time_limit is not None
+            and float(cls.time_limit) > float(cls.operation_deadline)
+        ):
+            raise EffectRelabelRefused(
+                f"{cls.name}: time_limit {cls.time_limit}s is longer than its "
+                f"operation_deadline {cls.operation_deadline}s"
+            )
+        unknown = sorted(
+            key
+            for key in app.conf.keys()
+            if isinstance(key, str) and key.lower().startswith(PREFIX) and key not in DEFAULTS
+        )
+        if unknown:
+            raise EffectRelabelRefused(
+                f"unknown setting(s) {', '.join(unknown)}: a tool's effect is declared "
+                "in code and cannot be configured"
+            )
+        connect_signals()
+        return bound
+
+    @classmethod
+    def annotate(cls) -> None:
+        for annotation in resolve_all_annotations(cls.app.annotations, cls):
+            refused = sorted(set(annotation) & PROTECTED_OPTIONS)
+            if refused:
+                raise EffectRelabelRefused(
+                    f"task_annotations may not set {', '.join(refused)} on tool "
+                    f"{cls.name}: its effect and delivery guarantees are declared in code"
+                )
+        super().annotate()
+
+    def get_effect(self) -> ToolEffect:
+        """The declared effect (override to compute it in code)."""
+        return ToolEffect.READ_ONLY if self.effect is None else ToolEffect.coerce(self.effect)
+
+    def mcp_annotations(self) -> dict[str, bool]:
+        """MCP tool annotations of this tool."""
+        return self.tool_effect.mcp_annotations(open_world=self.open_world)
+
+    @property
+    def runtime(self) -> ToolRuntime:
+        return runtime_for(self.app)
+
+    # -- calling -------------------------------------------------------------
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        _refuse_relabel(self.name, options)
+        return super().apply_async(args, kwargs, **options)
+
+    def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        _refuse_relabel(self.name, options)
+        return super().apply(args, kwargs, **options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.id is not None:
+            return self._run_tool(request, args, kwargs)
+        # A direct call: give it a task id so that a write is journalled
+        # exactly like a queued one; its run id is that task id.
+        task_id = uuid.uuid4().hex
+        self.push_request(
+            args=args, kwargs=kwargs, id=task_id, root_id=task_id, is_eager=True,
+            called_directly=True,
+        )
+        try:
+            return self._run_tool(self.request, args, kwargs)
+        finally:
+            self.pop_request()
+
+    # -- one attempt ---------------------------------------------------------
+
+    def _attempt(self, request: Context) -> Attempt:
+        fields = vars(request)
+        task_id = str(request.id)
+        return Attempt(
+            task_id=task_id,
+            run_id=resolve_run_id(fields, task_id),
+            name=self.name,
+            effect=self.tool_effect,
+            queue=queue_name(request.delivery_info, self.app.conf.task_default_queue),
+            token=str(fields.get(TOKEN_FIELD) or uuid.uuid4().hex),
+            redelivered=bool((request.delivery_info or {}).get("redelivered")),
+            interactive=bool(request.is_eager or request.called_directly),
+            retries=int(request.retries or 0),
+        )
+
+    def _run_tool(self, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        attempt = self._attempt(request)
+        self._check_message(attempt, request, args, kwargs)
+        if not attempt.effect.is_write:
+            return self._run_read_only(attempt, request, args, kwargs)
+        return self._run_write(attempt, request, args, kwargs)
+
+    def _check_message(
+        self, attempt: Attempt, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Refuse forged headers and arguments the tool cannot take, before anything runs."""
+        forged = list(getattr(request, FORGED_FIELD, None) or []) or forged_headers(
+            _message_headers(request)
+        )
+        problem: BaseException | None = None
+        if forged:
+            problem = EffectRelabelRefused(
+                f"message sets reserved header(s) {', '.join(forged)}; "
+                "a producer may set only tooleffect_run_id"
+            )
+        else:
+            try:
+                self._run_signature().bind(*args, **kwargs)
+            except TypeError as exc:
+                problem = TypeError(f"{self.name}: invalid arguments: {exc}")
+        if problem is None:
+            return
+        if attempt.interactive:
+            raise problem
+        self._dead_letter(
+            attempt, request, DeadLetterReason.MALFORMED_MESSAGE, problem,
+            FailureClass.CLIENT_ERROR, owned=False, attempts=0, journalled=False,
+        )
+
+    @classmethod
+    def _run_signature(cls) -> inspect.Signature:
+        if cls._signature is None:
+            cls._signature = inspect.signature(cls.run)
+        return cls._signature
+
+    def _run_read_only(
+        self, attempt: Attempt, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        runtime = self.runtime
+        privacy = runtime.settings.privacy
+        number = attempt.retries + 1
+        started = time.monotonic()
+        try:
+            result = self.run(*args, **kwargs)
+        except (Ignore, Retry, Reject):
+            raise
+        except Exception as exc:
+            failure_class = runtime.classifier.classify(exc)
+            runtime.audit.record_step(
+                attempt.context.event(
+                    "outcome", "failed", attempt=number, duration_ms=_ms_since(started),
+                    exception=exc, failure_class=failure_class.value,
+                    **_payload(privacy, args=args, kwargs=kwargs, error=exc),
+                )
+            )
+            self._after_failure(attempt, request, exc, failure_class, number)
+        runtime.audit.record_step(
+            attempt.context.event(
+                "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
+                **_payload(privacy, args=args, kwargs=kwargs, result=result),
+            )
+        )
+        return result
+
+    def _run_write(
+        self, attempt: Attempt, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        runtime = self.runtime
+        privacy = runtime.settings.privacy
+        begin = self._begin(attempt, request, args, kwargs)
+        number = begin.attempt
+        started = time.monotonic()
+        try:
+            result = self.run(*args, **kwargs)
+        except (Ignore, Retry, Reject):
+            raise
+        except Exception as exc:
+            failure_class = runtime.classifier.classify(exc)
+            self._after_failure(attempt, request, exc, failure_class, number,
+                                duration_ms=_ms_since(started))
+        event = attempt.context.event(
+            "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
+            **_payload(privacy, args=args, kwargs=kwargs, result=result),
+        )
+        try:
+            moved = runtime.journal.transition(
+                attempt.ref, new_state=JournalState.SUCCEEDED, allowed=[JournalState.RUNNING],
+                token=attempt.token, event=event,
+            )
+        except StoreUnavailable as store_down:
+            failed = AuditPersistenceFailed(
+                f"{self.name}[{attempt.task_id}] ran, but its outcome could not be "
+                f"recorded: {store_down}",
+                body_completed=True,
+            )
+            if attempt.interactive:
+                raise failed from store_down
+            self._dead_letter(
+                attempt, request, DeadLetterReason.NOT_RETRYABLE, failed,
+                FailureClass.UNKNOWN, owned=True, attempts=number, body_completed=True,
+                outcome_event=attempt.context.event(
+                    "outcome", "audit_failed", attempt=number, exception=failed,
+                    failure_class=FailureClass.UNKNOWN.value,
+                ),
+            )
+        if not moved and not attempt.interactive:
+            raise LeaseLost(f"{self.name}[{attempt.task_id}] finished after losing its lease")
+        return result
+
+    def _begin(
+        self, attempt: Attempt, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Begin:
+        """Record the intent of a write, or end this delivery without running it."""
+        runtime = self.runtime
+        settings = runtime.settings
+        lease = float(self.operation_deadline or settings.visibility_timeout)
+        try:
+            begin = runtime.journal.begin_attempt(
+                attempt.ref,
+                token=attempt.token,
+                effect=attempt.effect.value,
+                lease_end=time.time() + lease,
+                attempts_allowed=settings.max_retries + 1,
+                event=attempt.context.event(
+                    "intent", "started", **_payload(settings.privacy, args=args, kwargs=kwargs)
+                ),
+            )
+        except StoreUnavailable as store_down:
+            failed = IntentNotRecorded(
+                f"{self.name}[{attempt.task_id}] not run: its intent could not be "
+                f"recorded: {store_down}"
+            )
+            if attempt.interactive:
+                raise failed from store_down
+            if _already_dead_lettered(runtime, attempt.task_id):
+                raise Ignore() from None
+            self._after_failure(attempt, request, failed, FailureClass.CONNECTION,
+                                attempt.retries + 1, body_started=False)
+
+        verdict = begin.verdict
+        if verdict is Verdict.STARTED:
+            return begin
+        if verdict in (Verdict.DONE, Verdict.DEAD_LETTERED):
+            raise Ignore()
+        if verdict is Verdict.OWNED:
+            self._come_back_later(attempt, request, begin)
+        if verdict is Verdict.DEAD_LETTERING:
+            self._finish_dead_letter(attempt, request, begin)
+        if verdict is Verdict.INTERRUPTED:
+            self._dead_letter(
+                attempt, request, DeadLetterReason.INTERRUPTED_WRITE,
+                InterruptedWrite(
+                    f"{self.name}[{attempt.task_id}] started and never finished; "
+                    "a non-idempotent write is never run twice"
+                ),
+                FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
+            )
+        # Verdict.EXHAUSTED: interruptions spent the retry budget.
+        self._dead_letter(
+            attempt, request, DeadLetterReason.RETRIES_EXHAUSTED,
+            RetriesExhausted(
+                f"{self.name}[{attempt.task_id}] was interrupted; {begin.attempt} "
+                "attempt(s) spent its retry budget"
+            ),
+            FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
+        )
+
+    # -- endings -------------------------------------------------------------
+
+    def _after_failure(
+        self,
+        attempt: Attempt,
+        request: Context,
+        exc: Exception,
+        failure_class: FailureClass,
+        number: int,
+        *,
+        body_started: bool = True,
+        duration_ms: float | None = None,
+    ) -> NoReturn:
+        """Retry, dead-letter or raise ``exc``; never returns."""
+        runtime = self.runtime
+        settings = runtime.settings
+        context = attempt.context
+        journalled = attempt.effect.is_write and body_started
+        outcome = context.event(
+            "outcome", "failed", attempt=number, duration_ms=duration_ms, exception=exc,
+            failure_class=failure_class.value,
+            **_payload(settings.privacy, error=exc),
+        )
+        if attempt.interactive:
+            if journalled:
+                self._settle(attempt, JournalState.FAILED, outcome, cause=exc)
+            exc.__dict__.setdefault("failure_class", failure_class.value)
+            raise exc
+        may_retry = failure_class.retryable and (
+            attempt.effect.safe_to_retry or not body_started or is_no_side_effect(exc)
+        )
+        if may_retry and number <= settings.max_retries:
+            countdown = settings.backoff(attempt.retries)
+            if journalled:
+                retrying = dict(outcome, status="retrying", countdown=f"{countdown:g}")
+                self._settle(attempt, JournalState.RETRY_SCHEDULED, retrying, cause=exc)
+            self._publish_retry(request, exc, countdown)
+        reason = DeadLetterReason.RETRIES_EXHAUSTED if may_retry else DeadLetterReason.NOT_RETRYABLE
+        self._dead_letter(
+            attempt, request, reason, exc, failure_class, owned=journalled,
+            attempts=number, outcome_event=outcome,
+        )
+
+    def _settle(
+        self, attempt: Attempt, state: JournalState, event: Mapping[str, str], *, cause: Exception
+    ) -> None:
+        """Record a failed attempt's outcome; fail closed when it cannot be stored."""
+        try:
+            moved = self.runtime.journal.transition(
+                attempt.ref, new_state=state, allowed=[JournalState.RUNNING],
+                token=attempt.token, event=event,
+            )
+        except StoreUnavailable as store_down:
+            raise AuditPersistenceFailed(
+                f"{self.name}[{attempt.task_id}] failed ({type(cause).__name__}) and its "
+                f"outcome could not be recorded: {store_down}"
+            ) from cause
+        if not moved and not attempt.interactive:
+            raise LeaseLost(f"{self.name}[{attempt.task_id}] failed after losing its lease")
+
+    def _publish_retry(self, request: Context, exc: Exception, countdown: float) -> NoReturn:
+        """Publish the retry; if that fails keep the message (never a deleting Reject)."""
+        signature = self.signature_from_request(
+            request, countdown=countdown, retries=int(request.retries or 0) + 1
+        )
+        try:
+            signature.apply_async()
+        except Exception as publish_failed:
+            logger.error("retry of %s[%s] not published, requeueing: %s",
+                         self.name, request.id, publish_failed)
+            raise Reject(publish_failed, requeue=True) from exc
+        raise Retry(exc=exc, when=countdown, sig=signature)
+
+    def _come_back_later(self, attempt: Attempt, request: Context, begin: Begin) -> NoReturn:
+        """A live owner runs this task: republish for when its lease ends."""
+        wait = max(begin.owner_lease_end - time.time(), 0.0) + 1.0
+        if attempt.interactive:
+            raise AttemptInProgress(
+                f"{self.name}[{attempt.task_id}] is running elsewhere for {wait:.0f}s more"
+            )
+        signature = self.signature_from_request(request, countdown=wait)
+        try:
+            signature.apply_async()
+        except Exception as publish_failed:
+            raise Reject(publish_failed, requeue=True) from None
+        self.runtime.audit.record_step(
+            attempt.context.event("deferred", "owned_elsewhere", countdown=f"{wait:.1f}")
+        )
+        raise Ignore()
+
+    def _finish_dead_letter(self, attempt: Attempt, request: Context, begin: Begin) -> NoReturn:
+        """A dead letter was begun but not finished: finish it with its recorded reason."""
+        journal = self.runtime.journal.read(attempt.ref)
+        try:
+            reason = DeadLetterReason(journal.get("reason", ""))
+        except ValueError:
+            reason = DeadLetterReason.NOT_RETRYABLE
+        failure_class = FailureClass.coerce(journal.get("failure_class") or "unknown")
+        pending = AuditPersistenceFailed(
+            f"{self.name}[{attempt.task_id}]: finishing a dead letter begun earlier "
+            f"({journal.get('exception_type', '')})",
+            body_completed=journal.get("body_completed") == "1",
+        )
+        self._dead_letter(
+            attempt, request, reason, pending, failure_class, owned=False,
+            attempts=begin.attempt, body_completed=pending.body_completed,
+            allowed=[JournalState.DEAD_LETTERING],
+        )
+
+    def _dead_letter(
+        self,
+        attempt: Attempt,
+        request: Context,
+        reason: DeadLetterReason,
+        exc: BaseException,
+        failure_class: FailureClass,
+        *,
+        owned: bool,
+        attempts: int,
+        body_completed: bool = False,
+        outcome_event: Mapping[str, str] | None = None,
+        allowed: Iterable[JournalState | str] | None = None,
+        journalled: bool = True,
+    ) -> NoReturn:
+        """Dead-letter a queued run and reject its message; raise for an interactive one."""
+        if attempt.interactive:
+            raise exc
+        runtime = self.runtime
+        letter = build_letter(
+            attempt, reason=reason, failure_class=failure_class, exc=exc,
+            args=request.args, kwargs=request.kwargs,
+            options=_replay_options(request), attempts=attempts,
+            body_completed=body_completed,
+        )
+        event = outcome_event or attempt.context.event(
+            "outcome", reason.value, attempt=attempts or None, exception=exc,
+            failure_class=failure_class.value,
+        )
+        try:
+            rejection = runtime.dead_letter(
+                attempt, letter, outcome_event=event, owned=owned, exc=exc,
+                allowed=allowed, journalled=journalled and attempt.effect.is_write,
+            )
+        except StoreUnavailable as store_down:
+            logger.error("dead letter of %s[%s] not stored, keeping the message: %s",
+                         self.name, attempt.task_id, store_down)
+            raise Reject(store_down, requeue=True) from exc
+        raise rejection from exc
+
+
+def _refuse_relabel(name: str, options: Mapping[str, Any]) -> None:
+    refused = sorted(set(options) & PROTECTED_OPTIONS)
+    headers = options.get("headers") or {}
+    forged = forged_headers(headers) if isinstance(headers, Mapping) else []
+    forged += forged_headers(options)
+    if refused or forged:
+        raise EffectRelabelRefused(
+            f"{name}: a call may not set {', '.join(refused + forged)}; "
+            "a tool's effect and guarantees are declared in code"
+        )
+
+
+def _message_headers(request: Context) -> Mapping[str, Any]:
+    headers = getattr(request, "headers", None)
+    return headers if isinstance(headers, Mapping) else {}
+
+
+def _replay_options(request: Context) -> dict[str, Any]:
+    """What a replay needs besides name and arguments."""
+    delivery_info = request.delivery_info or {}
+    return {
+        "root_id": request.root_id,
+        "parent_id": request.parent_id,
+        "retries": int(request.retries or 0),
+        "priority": delivery_info.get("priority"),
+        "exchange": delivery_info.get("exchange"),
+        "routing_key": delivery_info.get("routing_key"),
+    }
+
+
+def _already_dead_lettered(runtime: ToolRuntime, task_id: str) -> bool:
+    try:
+        return runtime.dead_letters.exists(task_id)
+    except StoreUnavailable:
+        return False
+
+
+def _payload(privacy: str, **values: Any) -> dict[str, str]:
+    return describe_payload(privacy, **values)
+
+
+def _ms_since(started: float) -> float:
+    return (time.monotonic() - started) * 1000.0
