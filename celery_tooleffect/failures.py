@@ -160,17 +160,27 @@ class FailureClassifier:
 
     def classify(self, exc: BaseException) -> FailureClass:
         """The class of ``exc``; UNKNOWN when nothing recognises it."""
-        exc = self._unwrap(exc)
-        declared = getattr(exc, "failure_class", None)
+        declared = self._declared(exc)
         if declared is not None:
-            try:
-                return FailureClass.coerce(declared)
-            except ValueError:
-                return FailureClass.UNKNOWN
+            return declared
+        exc = self._unwrap(exc)
+        declared = self._declared(exc)
+        if declared is not None:
+            return declared
         for klass in type(exc).__mro__:
             if klass in self._registered:
                 return self._registered[klass]
         return self._builtin(exc)
+
+    @staticmethod
+    def _declared(exc: BaseException) -> FailureClass | None:
+        declared = getattr(exc, "failure_class", None)
+        if declared is None:
+            return None
+        try:
+            return FailureClass.coerce(declared)
+        except ValueError:
+            return FailureClass.UNKNOWN
 
     @staticmethod
     def _unwrap(exc: BaseException) -> BaseException:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task
-from celery.app.annotations import resolve_all_annotations
+from celery.app.annotations import resolve_all as resolve_all_annotations
 from celery.app.task import Context
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
 
@@ -95,8 +95,6 @@ class ToolTask(Task):  # type: ignore[misc]
     acks_on_failure_or_timeout = False
     Request = "celery_tooleffect.request:ToolRequest"
 
-    #: The effect resolved when the task is bound.
-    tool_effect: ClassVar[ToolEffect] = ToolEffect.READ_ONLY
     _signature: ClassVar[inspect.Signature | None] = None
 
     # -- binding and declaration -------------------------------------------
@@ -104,11 +102,13 @@ class ToolTask(Task):  # type: ignore[misc]
     @classmethod
     def bind(cls, app: Any) -> Any:
         bound = super().bind(app)
-        cls.tool_effect = ToolEffectResolver.effect_for_tool(cls)
+        declared = (
+            ToolEffect.coerce(cls.effect) if cls.effect is not None else ToolEffect.READ_ONLY
+        )
         if cls.operation_deadline is not None and float(cls.operation_deadline) <= 0:
             raise ImproperlyConfigured(f"{cls.name}: operation_deadline must be positive")
         if (
-            cls.tool_effect.is_write
+            declared.is_write
             and cls.operation_deadline is not None
             and cls.time_limit is not None
             and float(cls.time_limit) > float(cls.operation_deadline)
@@ -144,6 +144,15 @@ class ToolTask(Task):  # type: ignore[misc]
     def get_effect(self) -> ToolEffect:
         """The declared effect (override to compute it in code)."""
         return ToolEffect.READ_ONLY if self.effect is None else ToolEffect.coerce(self.effect)
+
+    @property
+    def tool_effect(self) -> ToolEffect:
+        """The effect this tool declares, resolved once."""
+        resolved = self.__dict__.get("_tool_effect")
+        if resolved is None:
+            resolved = ToolEffectResolver.effect_for_tool(self)
+            self.__dict__["_tool_effect"] = resolved
+        return resolved  # type: ignore[no-any-return]
 
     def mcp_annotations(self) -> dict[str, bool]:
         """MCP tool annotations of this tool."""
@@ -207,7 +216,10 @@ class ToolTask(Task):  # type: ignore[misc]
         self, attempt: Attempt, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """Refuse forged headers and arguments the tool cannot take, before anything runs."""
-        forged = list(getattr(request, FORGED_FIELD, None) or []) or forged_headers(
+        # Queued messages were checked by the worker's main process; an
+        # interactive call carries its headers on the request.
+        checked = getattr(request, FORGED_FIELD, None)
+        forged = list(checked) if checked is not None else forged_headers(
             _message_headers(request)
         )
         problem: BaseException | None = None

