@@ -33,6 +33,7 @@ from .attempt import (
     queue_name,
     resolve_run_id,
 )
+from .consumer import install_consumer_step
 from .dead_letters import DeadLetterReason
 from .effect import ToolEffect, ToolEffectResolver
 from .errors import (
@@ -128,6 +129,7 @@ class ToolTask(Task):  # type: ignore[misc]
                 "in code and cannot be configured"
             )
         connect_signals()
+        install_consumer_step(app)
         return bound
 
     @classmethod
