@@ -79,3 +79,18 @@ class Attempt:
             redelivered=self.redelivered,
             worker=worker_identity(),
         )
+
+
+def without_internal_fields(signature: Any) -> Any:
+    """``signature`` with the fields the worker added for its pool removed.
+
+    Used before republishing a task (retry, deferral) from its own request,
+    whose headers carry those fields.
+    """
+    headers = signature.options.get("headers")
+    if isinstance(headers, Mapping):
+        signature.options["headers"] = {
+            name: value for name, value in headers.items()
+            if name not in (TOKEN_FIELD, FORGED_FIELD)
+        }
+    return signature

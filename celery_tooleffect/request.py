@@ -28,7 +28,15 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.transport.virtual.base import QoS as VirtualQoS
 
-from .attempt import FORGED_FIELD, TOKEN_FIELD, Attempt, forged_headers, queue_name, resolve_run_id
+from .attempt import (
+    FORGED_FIELD,
+    TOKEN_FIELD,
+    Attempt,
+    forged_headers,
+    queue_name,
+    resolve_run_id,
+    without_internal_fields,
+)
 from .dead_letters import DeadLetterReason
 from .effect import ToolEffect
 from .errors import DeadLettered, LeaseLost, RetriesExhausted, StoreUnavailable
@@ -194,9 +202,9 @@ class ToolRequest(Request):  # type: ignore[misc]
 
     def _run_again(self, attempt: Attempt, exc: BaseException) -> None:
         """Publish the task again as a retry, then acknowledge this delivery."""
-        signature = self.task.signature_from_request(
+        signature = without_internal_fields(self.task.signature_from_request(
             self._context, retries=attempt.retries + 1
-        )
+        ))
         try:
             signature.apply_async()
         except Exception as publish_failed:

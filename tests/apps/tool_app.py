@@ -1,0 +1,77 @@
+"""The tools a ``celery worker`` subprocess runs in the tests.
+
+Configured from the environment by ``spawn_worker`` in conftest: TE_PREFIX
+(every key of the test), TE_BROKER, TE_VT (visibility timeout), TE_STORE
+(optional separate audit store). Each body counts its executions, records the
+pid of the process running it, and holds until released or its hold ends.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from celery import Celery
+
+from celery_tooleffect import ToolEffect, ToolTask
+from tests.conftest import app_config
+
+PREFIX = os.environ["TE_PREFIX"]
+BROKER = os.environ["TE_BROKER"]
+
+app = Celery("tool_app")
+app.conf.update(
+    app_config(
+        PREFIX,
+        broker_url=BROKER,
+        result_backend=BROKER,
+        broker_transport_options={
+            "global_keyprefix": PREFIX,
+            "visibility_timeout": float(os.environ.get("TE_VT", "60")),
+        },
+        tooleffect_redis_url=os.environ.get("TE_STORE") or None,
+        tooleffect_max_retries=int(os.environ.get("TE_MAX_RETRIES", "3")),
+        worker_hijack_root_logger=True,
+    )
+)
+counters = redis.Redis.from_url(BROKER)
+
+
+def hold_and_count(key: str, hold: float) -> str:
+    """The side effect: count, say who runs it, then hold (first run only)."""
+    runs = counters.incr(f"{PREFIX}count:{key}")
+    counters.rpush(f"{PREFIX}started:{key}", os.getpid())
+    if runs == 1:
+        deadline = time.monotonic() + hold
+        while time.monotonic() < deadline and not counters.exists(f"{PREFIX}release:{key}"):
+            time.sleep(0.02)
+    return key
+
+
+@app.task(base=ToolTask, name="tools.read")
+def read(key: str, hold: float = 0.0) -> str:
+    return hold_and_count(key, hold)
+
+
+@app.task(base=ToolTask, name="tools.idempotent", effect=ToolEffect.IDEMPOTENT_WRITE)
+def idempotent(key: str, hold: float = 0.0) -> str:
+    return hold_and_count(key, hold)
+
+
+@app.task(base=ToolTask, name="tools.write", effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+def write(key: str, hold: float = 0.0) -> str:
+    return hold_and_count(key, hold)
+
+
+@app.task(base=ToolTask, name="tools.read_limited", time_limit=1)
+def read_limited(key: str, hold: float = 0.0) -> str:
+    return hold_and_count(key, hold)
+
+
+@app.task(
+    base=ToolTask, name="tools.write_limited", effect=ToolEffect.NON_IDEMPOTENT_WRITE,
+    time_limit=1, operation_deadline=5,
+)
+def write_limited(key: str, hold: float = 0.0) -> str:
+    return hold_and_count(key, hold)
