@@ -29,6 +29,10 @@ app.conf.update(
         broker_transport_options={
             "global_keyprefix": PREFIX,
             "visibility_timeout": float(os.environ.get("TE_VT", "60")),
+            # kombu 5.7 sweeps unacked messages every interval * throttle
+            # seconds (100 s by default); the tests want it every second.
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
         },
         tooleffect_redis_url=os.environ.get("TE_STORE") or None,
         tooleffect_max_retries=int(os.environ.get("TE_MAX_RETRIES", "3")),
