@@ -1,3 +1,5 @@
+# mypy: disallow-untyped-decorators=False
+# (Celery ships no type hints: @app.task is untyped, as it is in any user code.)
 """An end-to-end demo: four agent tools on a real worker, their audit trails, a dead letter.
 
 Run it with ``python -m celery_tooleffect.demo`` (or ``make demo``). It needs
@@ -43,9 +45,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,6 +262,7 @@ class Run:
     title: str
     task: Any
     args: tuple[Any, ...]
+    note: str = ""
     task_id: str = ""
     state: str = ""
     result: Any = None
@@ -279,8 +283,8 @@ class Run:
         return [(event.get("phase", ""), event.get("status", "")) for event in self.events]
 
 
-def call(run: Run, dead_letters: DeadLetters, timeout: float = 30.0) -> None:
-    """Queue the call and wait until its result is settled (or it is a dead letter)."""
+def call(run: Run, timeout: float = 30.0) -> None:
+    """Queue the call, as an agent would, and wait until its result is settled."""
     async_result = run.task.apply_async(run.args)
     run.task_id = async_result.id
     deadline = time.monotonic() + timeout
@@ -336,6 +340,9 @@ def describe(run: Run) -> str:
         lines.append(f"  journal: state={state} attempt={run.journal.get('attempt', '')}")
     lines.append(f"  audit trail (AuditLog(app).events({run.run_id[:8]}...)):")
     lines.append(audit_table(run.events))
+    if run.note:
+        lines.append(textwrap.fill(run.note, width=96, initial_indent="  ",
+                                   subsequent_indent="  "))
     return "\n".join(lines)
 
 
@@ -421,12 +428,22 @@ def run_demo(broker_url: str, store_url: str, *, verbose: bool = False) -> int:
     tools = register_tools(app, with_forced_failure=True)
     assert tools.refund_payment is not None
     runs = [
-        Run("1. READ_ONLY: search the catalog", tools.search_catalog, ("usb-c",)),
+        Run("1. READ_ONLY: search the catalog", tools.search_catalog, ("usb-c",),
+            "A read keeps no journal: it pays one fail-soft audit event and would simply "
+            "run again if delivered again."),
         Run("2. IDEMPOTENT_WRITE: set a shipping address", tools.set_shipping_address,
-            ("order-1001", "1 Main St, Springfield")),
-        Run("3. NON_IDEMPOTENT_WRITE: send an invoice", tools.send_invoice, ("cust-42", 1999)),
+            ("order-1001", "1 Main St, Springfield"),
+            "The intent is recorded before the body runs and the outcome after it, each in "
+            "one atomic step with its journal transition."),
+        Run("3. NON_IDEMPOTENT_WRITE: send an invoice", tools.send_invoice, ("cust-42", 1999),
+            "Same trail as any write; were this message delivered again, the journal would "
+            "acknowledge it without sending a second invoice."),
         Run("4. NON_IDEMPOTENT_WRITE whose outcome cannot be recorded "
-            "(its body fills up the audit store)", tools.refund_payment, ("cust-42", 500)),
+            "(its body fills up the audit store)", tools.refund_payment, ("cust-42", 500),
+            "Only the intent is here: after the body ran, the store refused every write, so "
+            "neither the outcome nor the dead-lettering could be journalled (the journal "
+            "still says 'running'). The write failed closed: AuditPersistenceFailed, never "
+            "retried, and its dead letter (below, in the broker's Redis) is the record."),
     ]
     audit = AuditLog(app)
     dead_letters = DeadLetters(app)
@@ -439,7 +456,7 @@ def run_demo(broker_url: str, store_url: str, *, verbose: bool = False) -> int:
                           shutdown_timeout=30):
             for run in runs:
                 print(f"  calling {run.task.name}{run.args!r}")
-                call(run, dead_letters)
+                call(run)
         print("Worker stopped.\n")
         for run in runs:
             run.events = audit.events(run.run_id)
@@ -460,10 +477,13 @@ def run_demo(broker_url: str, store_url: str, *, verbose: bool = False) -> int:
         print()
         problems = check(runs, refunds)
     finally:
-        with contextlib.closing(client):
-            pass
-        deleted = delete_keys(broker_url, prefix)
-        print(f"Cleaned up: deleted {deleted} keys under {prefix} on the broker's Redis.")
+        client.close()
+        try:
+            deleted = delete_keys(broker_url, prefix)
+        except redis.RedisError as exc:
+            print(f"Could not delete the keys under {prefix} on {broker_url}: {exc}")
+        else:
+            print(f"Cleaned up: deleted {deleted} keys under {prefix} on the broker's Redis.")
 
     if problems:
         print("\nDEMO FAILED: the results do not match the contract:")
@@ -507,9 +527,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1  # pragma: no cover - the ExitStack never swallows
 
 
-def _run_as_script(entry: Callable[[], int]) -> None:
-    sys.exit(entry())
-
-
 if __name__ == "__main__":
-    _run_as_script(main)
+    sys.exit(main())
