@@ -96,6 +96,8 @@ class ToolRuntime:
                 )
             except StoreUnavailable as store_down:
                 logger.warning("journal down while dead-lettering %s: %s", ref.task_id, store_down)
+                if owned:  # our running attempt ends unrecorded
+                    _fail_closed(letter, store_down)
             else:
                 if not moved:
                     raise LeaseLost(f"{ref.task_id}: another attempt owns the journal entry")
@@ -129,6 +131,22 @@ class ToolRuntime:
             letter.reason,
             reason=exc,
         )
+
+
+def _fail_closed(letter: DeadLetter, store_down: StoreUnavailable) -> None:
+    """The letter of a write whose outcome could not be recorded says so.
+
+    Whatever the body raised, the audit log misses how it ended: the dead
+    letter is the only record, and it carries the class of an unrecorded
+    write (UNKNOWN, AuditPersistenceFailed).
+    """
+    if letter.exception_type != "AuditPersistenceFailed":
+        letter.error = (
+            f"{letter.exception_type}: {letter.error}; its outcome could not be recorded: "
+            f"{store_down}"
+        )
+        letter.exception_type = "AuditPersistenceFailed"
+        letter.failure_class = FailureClass.UNKNOWN.value
 
 
 def build_letter(

@@ -245,10 +245,11 @@ class ToolTask(Task):  # type: ignore[misc]
             FailureClass.CLIENT_ERROR, owned=False, attempts=0, journalled=False,
         )
 
-    @classmethod
-    def _run_signature(cls) -> inspect.Signature:
+    def _run_signature(self) -> inspect.Signature:
+        # Of the bound ``run``, so that ``bind=True`` tools do not count ``self``.
+        cls = type(self)
         if cls._signature is None:
-            cls._signature = inspect.signature(cls.run)
+            cls._signature = inspect.signature(self.run)
         return cls._signature
 
     def _run_read_only(
@@ -419,7 +420,13 @@ class ToolTask(Task):  # type: ignore[misc]
             countdown = settings.backoff(attempt.retries)
             if journalled:
                 retrying = dict(outcome, status="retrying", countdown=f"{countdown:g}")
-                self._settle(attempt, JournalState.RETRY_SCHEDULED, retrying, cause=exc)
+                try:
+                    self._settle(attempt, JournalState.RETRY_SCHEDULED, retrying, cause=exc)
+                except AuditPersistenceFailed as lost:
+                    self._dead_letter(
+                        attempt, request, DeadLetterReason.NOT_RETRYABLE, lost,
+                        FailureClass.UNKNOWN, owned=True, attempts=number,
+                    )
             self._publish_retry(request, exc, countdown)
         reason = DeadLetterReason.RETRIES_EXHAUSTED if may_retry else DeadLetterReason.NOT_RETRYABLE
         self._dead_letter(

@@ -54,9 +54,11 @@ def define_tools(
             raise NoSideEffect(ConnectionError("refused before anything was sent"))
         if behaviour == "fail_first" and runs == 1:
             raise ConnectionError("provider unreachable once")
-        if behaviour == "break_store":
+        if behaviour.startswith("break_store"):
             assert store is not None
             store.refuse_writes()
+            if behaviour == "break_store_then_fail":
+                raise ConnectionError("provider unreachable")
         return f"done:{key}"
 
     return {
@@ -129,6 +131,23 @@ def test_write_whose_outcome_cannot_be_stored_fails_closed(
     # The intent was stored before the store broke; the outcome never was.
     second_redis.accept_writes()
     assert phases(app, result.id) == ["intent"]
+
+
+@pytest.mark.parametrize("effect", WRITES)
+def test_write_whose_failed_outcome_cannot_be_stored_fails_closed(
+    make_app: Callable[..., Celery], counter: Counter, second_redis: RedisServer,
+    effect: ToolEffect,
+) -> None:
+    app = make_app(tooleffect_redis_url=second_redis.url)
+    tool = define_tools(app, counter, store=second_redis)
+    with running_worker(app):
+        result = tool[effect].delay("k", "break_store_then_fail")
+        letter = dead_letter(app, result.id)
+    assert counter.value("k") == 1  # a retryable error, but never retried
+    assert letter.reason == "not_retryable"
+    assert letter.failure_class == "unknown"
+    assert letter.exception_type == "AuditPersistenceFailed"
+    assert letter.body_completed is False
 
 
 def test_read_only_audit_failure_is_fail_soft(
