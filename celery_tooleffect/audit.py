@@ -121,6 +121,7 @@ class StepContext:
         duration_ms: float | None = None,
         exception: BaseException | None = None,
         failure_class: str | None = None,
+        payload: Mapping[str, str] | None = None,
         **extra: str,
     ) -> dict[str, str]:
         """One event of this attempt, as the flat string fields a stream holds."""
@@ -144,6 +145,7 @@ class StepContext:
             fields["failure_class"] = str(failure_class)
         if exception is not None:
             fields["exception_type"] = type(exception).__qualname__
+        fields.update(payload or {})
         fields.update(extra)
         return fields
 
@@ -159,11 +161,13 @@ def flatten(fields: Mapping[str, Any]) -> list[str]:
     return flat
 
 
-def _decode(fields: Mapping[bytes, bytes]) -> dict[str, str]:
-    return {
-        key.decode("utf-8", "replace"): value.decode("utf-8", "replace")
-        for key, value in fields.items()
-    }
+def text(value: bytes | str) -> str:
+    """A Redis reply as text."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _decode(fields: Mapping[Any, Any]) -> dict[str, str]:
+    return {text(key): text(value) for key, value in fields.items()}
 
 
 class AuditLog:
@@ -212,14 +216,10 @@ class AuditLog:
         Each event also carries its stream entry ``id``. Reads only that run's
         stream.
         """
-        entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]] = self.client.xrange(
-            self.keys.run_events(run_id)
-        )
-        return [{"id": entry_id.decode(), **_decode(fields)} for entry_id, fields in entries]
+        entries: Sequence[Any] = self.client.xrange(self.keys.run_events(run_id)) or []
+        return [{"id": text(entry_id), **_decode(fields)} for entry_id, fields in entries]
 
     def tail(self, count: int = 100) -> list[dict[str, str]]:
         """The newest ``count`` events of all runs, oldest first."""
-        entries = self.client.xrevrange(self.keys.global_events, count=count)
-        return [
-            {"id": entry_id.decode(), **_decode(fields)} for entry_id, fields in reversed(entries)
-        ]
+        entries: Sequence[Any] = self.client.xrevrange(self.keys.global_events, count=count) or []
+        return [{"id": text(entry_id), **_decode(fields)} for entry_id, fields in reversed(entries)]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from .audit import text
 from .connections import redis_client
 from .errors import StoreUnavailable
 from .keys import Keys
@@ -121,7 +122,7 @@ class DeadLetters:
 
     def queue_of(self, task_id: str) -> str | None:
         where = self.client.hget(self.keys.dead_letter_locations, task_id)
-        return where.decode() if where is not None else None
+        return text(where) if where is not None else None
 
     def exists(self, task_id: str) -> bool:
         """Whether ``task_id`` is a dead letter. Raises StoreUnavailable."""
@@ -141,7 +142,7 @@ class DeadLetters:
     def queues(self) -> list[str]:
         """Queues that have dead letters, sorted by name."""
         members = self.client.smembers(self.keys.dead_letter_queues)
-        return sorted(member.decode() for member in members)
+        return sorted(text(member) for member in members)
 
     def count(self, queue: str | None = None) -> int:
         """How many dead letters ``queue`` (or every queue) holds."""
@@ -151,7 +152,9 @@ class DeadLetters:
             pipe.zcard(self.keys.dead_letter_index(name))
         return int(sum(pipe.execute()))
 
-    def list(self, queue: str | None = None, *, limit: int = 50, offset: int = 0) -> list[DeadLetter]:
+    def list(
+        self, queue: str | None = None, *, limit: int = 50, offset: int = 0
+    ) -> list[DeadLetter]:
         """Dead letters newest first, ``limit`` of them after skipping ``offset``.
 
         Reads at most ``offset + limit`` index entries per queue, never a whole
@@ -164,7 +167,7 @@ class DeadLetters:
             pipe.zrevrange(self.keys.dead_letter_index(name), 0, window - 1, withscores=True)
         per_queue = pipe.execute()
         newest = heapq.merge(
-            *[[(-score, task_id.decode(), name) for task_id, score in entries]
+            *[[(-score, text(task_id), name) for task_id, score in entries]
               for name, entries in zip(queues, per_queue, strict=True)]
         )
         page = [entry for _, entry in zip(range(window), newest, strict=False)][offset:]

@@ -7,7 +7,7 @@ from typing import Any
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject
 
 
-class AuditPersistenceFailed(Exception):  # noqa: N818 - the contract's name
+class AuditPersistenceFailed(Exception):
     """A write's audit record could not be stored, so the write fails closed.
 
     It deliberately carries no failure class: the classifier maps it to
@@ -28,7 +28,7 @@ def _rebuild_audit_failed(message: str, body_completed: bool) -> AuditPersistenc
     return AuditPersistenceFailed(message, body_completed=body_completed)
 
 
-class StoreUnavailable(Exception):  # noqa: N818
+class StoreUnavailable(Exception):
     """The journal's Redis did not answer or refused a write."""
 
     failure_class = "connection"
@@ -38,7 +38,7 @@ class IntentNotRecorded(StoreUnavailable):
     """The intent of a write could not be stored, so its body did not run."""
 
 
-class EffectRelabelRefused(ImproperlyConfigured):
+class EffectRelabelRefused(ImproperlyConfigured):  # type: ignore[misc]
     """Configuration, a header or a call option tried to change a guarantee.
 
     A tool's effect, and the options its guarantees depend on, are properties
@@ -46,7 +46,7 @@ class EffectRelabelRefused(ImproperlyConfigured):
     """
 
 
-class DeadLettered(Reject):
+class DeadLettered(Reject):  # type: ignore[misc]
     """The message was stored as a dead letter and is rejected without requeue.
 
     ``reason`` (Celery's ``Reject.reason``) is the error that decided it; the
@@ -78,7 +78,7 @@ class DeadLettered(Reject):
         return f"DeadLettered({str(self)!r})"
 
 
-class LeaseLost(Ignore):
+class LeaseLost(Ignore):  # type: ignore[misc]
     """This worker no longer owns the attempt; another delivery settles it.
 
     The outcome was recorded as a ``late_outcome`` audit event. The worker's
@@ -88,9 +88,9 @@ class LeaseLost(Ignore):
     """
 
 
-class InterruptedWrite(Exception):  # noqa: N818
+class InterruptedWrite(Exception):
     """A non-idempotent write started and never finished; it is never run again."""
 
 
-class RetriesExhausted(Exception):  # noqa: N818
+class RetriesExhausted(Exception):
     """A tool kept failing or being interrupted until its retry budget was spent."""

@@ -71,7 +71,7 @@ class CircuitOpenError(Exception):
     failure_class = FailureClass.CIRCUIT_OPEN
 
 
-class NoSideEffect(Exception):  # noqa: N818 - a marker, named for what it says
+class NoSideEffect(Exception):
     """An error raised before the tool touched anything outside itself.
 
     Wrap (``raise NoSideEffect(exc) from exc``) or subclass it. A
@@ -148,7 +148,7 @@ class FailureClassifier:
         """Build from ``tooleffect_failure_classes`` ({"pkg.mod.Error": "rate_limit"})."""
         classifier = cls()
         for dotted, value in (mapping or {}).items():
-            exc_type = symbol_by_name(dotted)
+            exc_type = symbol_by_name(dotted)  # type: ignore[no-untyped-call]
             if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
                 raise TypeError(f"tooleffect_failure_classes: {dotted!r} is not an exception")
             classifier.register(exc_type, FailureClass.coerce(value))

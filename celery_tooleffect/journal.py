@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import redis
 
-from .audit import AuditLog, flatten
+from .audit import AuditLog, flatten, text
 from .errors import StoreUnavailable
 from .keys import Keys
 from .lua import script
@@ -142,7 +142,7 @@ class Journal:
             )
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
-        result = Begin(Verdict(verdict.decode()), int(attempt), detail.decode())
+        result = Begin(Verdict(text(verdict)), int(attempt), text(detail))
         if result.verdict in (Verdict.STARTED, Verdict.DONE, Verdict.DEAD_LETTERED):
             self.audit.copy_to_global(event)
         return result
@@ -188,7 +188,7 @@ class Journal:
         moved = answer[0] == b"ok"
         if moved or record_late:
             self.audit.copy_to_global(event)
-        return Transition(moved, answer[1].decode())
+        return Transition(moved, text(answer[1]))
 
     def read(self, ref: JournalRef) -> dict[str, str]:
         """The entry's fields (empty when there is none)."""
@@ -196,4 +196,4 @@ class Journal:
             raw = self.client.hgetall(self.keys.journal(ref.run_id, ref.task_id))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
-        return {key.decode(): value.decode() for key, value in raw.items()}
+        return {text(key): text(value) for key, value in raw.items()}

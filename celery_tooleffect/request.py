@@ -224,7 +224,7 @@ class ToolRequest(Request):  # type: ignore[misc]
         message = self._message
         qos = getattr(getattr(message, "channel", None), "qos", None)
         if self.runtime.settings.broker_is_redis and isinstance(qos, VirtualQoS):
-            VirtualQoS.ack(qos, message.delivery_tag)
+            VirtualQoS.ack(qos, message.delivery_tag)  # type: ignore[no-untyped-call]
             self.acknowledged = True
         else:
             self.acknowledge()

@@ -84,11 +84,11 @@ def forget(app: Celery) -> None:
     _cache.pop(app, None)
 
 
-def _read(app: Celery) -> Settings:
-    conf = app.conf
+def refuse_unknown_settings(conf: Mapping[str, Any]) -> None:
+    """Raise when ``conf`` holds a ``tooleffect_*`` key this package does not know."""
     unknown = sorted(
         key
-        for key in conf.keys()
+        for key in conf
         if isinstance(key, str) and key.lower().startswith(PREFIX) and key.lower() not in DEFAULTS
     )
     if unknown:
@@ -97,6 +97,11 @@ def _read(app: Celery) -> Settings:
             f"{', '.join(sorted(DEFAULTS))}; a tool's effect is declared in code "
             "and cannot be configured"
         )
+
+
+def _read(app: Celery) -> Settings:
+    conf = app.conf
+    refuse_unknown_settings(conf)
 
     def get(key: str) -> Any:
         value = conf.get(key)

@@ -24,7 +24,6 @@ from celery.app.annotations import resolve_all as resolve_all_annotations
 from celery.app.task import Context
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
 
-from .audit import describe_payload
 from .attempt import (
     FORGED_FIELD,
     TOKEN_FIELD,
@@ -34,6 +33,7 @@ from .attempt import (
     resolve_run_id,
     without_internal_fields,
 )
+from .audit import describe_payload
 from .consumer import install_consumer_step
 from .dead_letters import DeadLetterReason
 from .effect import ToolEffect, ToolEffectResolver
@@ -49,7 +49,7 @@ from .errors import (
 from .failures import FailureClass, is_no_side_effect
 from .journal import Begin, JournalState, Verdict
 from .runtime import ToolRuntime, build_letter, runtime_for
-from .settings import DEFAULTS, PREFIX
+from .settings import refuse_unknown_settings
 from .signals import AUDITED_MARK, connect_signals
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ PROTECTED_OPTIONS = frozenset(
 )
 
 
-class AttemptInProgress(Exception):  # noqa: N818
+class AttemptInProgress(Exception):
     """An interactive call found the same task id running elsewhere."""
 
     failure_class = FailureClass.CONNECTION.value
@@ -119,16 +119,7 @@ class ToolTask(Task):  # type: ignore[misc]
                 f"{cls.name}: time_limit {cls.time_limit}s is longer than its "
                 f"operation_deadline {cls.operation_deadline}s"
             )
-        unknown = sorted(
-            key
-            for key in app.conf.keys()
-            if isinstance(key, str) and key.lower().startswith(PREFIX) and key not in DEFAULTS
-        )
-        if unknown:
-            raise EffectRelabelRefused(
-                f"unknown setting(s) {', '.join(unknown)}: a tool's effect is declared "
-                "in code and cannot be configured"
-            )
+        refuse_unknown_settings(app.conf)
         connect_signals()
         install_consumer_step(app)
         return bound
@@ -155,7 +146,7 @@ class ToolTask(Task):  # type: ignore[misc]
         if resolved is None:
             resolved = ToolEffectResolver.effect_for_tool(self)
             self.__dict__["_tool_effect"] = resolved
-        return resolved  # type: ignore[no-any-return]
+        return resolved
 
     def mcp_annotations(self) -> dict[str, bool]:
         """MCP tool annotations of this tool."""
@@ -269,14 +260,14 @@ class ToolTask(Task):  # type: ignore[misc]
                 attempt.context.event(
                     "outcome", "failed", attempt=number, duration_ms=_ms_since(started),
                     exception=exc, failure_class=failure_class.value,
-                    **_payload(privacy, args=args, kwargs=kwargs, error=exc),
+                    payload=_payload(privacy, args=args, kwargs=kwargs, error=exc),
                 )
             )
             self._after_failure(attempt, request, exc, failure_class, number)
         runtime.audit.record_step(
             attempt.context.event(
                 "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
-                **_payload(privacy, args=args, kwargs=kwargs, result=result),
+                payload=_payload(privacy, args=args, kwargs=kwargs, result=result),
             )
         )
         return result
@@ -299,7 +290,7 @@ class ToolTask(Task):  # type: ignore[misc]
                                 duration_ms=_ms_since(started))
         event = attempt.context.event(
             "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
-            **_payload(privacy, args=args, kwargs=kwargs, result=result),
+            payload=_payload(privacy, args=args, kwargs=kwargs, result=result),
         )
         try:
             moved = runtime.journal.transition(
@@ -341,7 +332,8 @@ class ToolTask(Task):  # type: ignore[misc]
                 lease_end=time.time() + lease,
                 attempts_allowed=settings.max_retries + 1,
                 event=attempt.context.event(
-                    "intent", "started", **_payload(settings.privacy, args=args, kwargs=kwargs)
+                    "intent", "started",
+                    payload=_payload(settings.privacy, args=args, kwargs=kwargs),
                 ),
             )
         except StoreUnavailable as store_down:
@@ -405,7 +397,7 @@ class ToolTask(Task):  # type: ignore[misc]
         outcome = context.event(
             "outcome", "failed", attempt=number, duration_ms=duration_ms, exception=exc,
             failure_class=failure_class.value,
-            **_payload(settings.privacy, error=exc),
+            payload=_payload(settings.privacy, error=exc),
         )
         if attempt.interactive:
             if journalled:

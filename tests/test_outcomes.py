@@ -78,7 +78,9 @@ def phases(app: Celery, run_id: str) -> list[str]:
 
 
 @pytest.fixture
-def tools(make_app: Callable[..., Celery], counter: Counter) -> tuple[Celery, dict[ToolEffect, Any]]:
+def tools(
+    make_app: Callable[..., Celery], counter: Counter
+) -> tuple[Celery, dict[ToolEffect, Any]]:
     app = make_app()
     return app, define_tools(app, counter)
 
