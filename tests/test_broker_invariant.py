@@ -33,10 +33,10 @@ class AclUser:
         return REDIS_URL.replace("redis://", f"redis://{self.name}:{self.password}@", 1)
 
     def set(self, *rules: str) -> None:
-        self.client.acl_setuser(self.name, enabled=True, passwords=[f"+{self.password}"],
-                                reset_keys=True, reset_channels=True, commands=[],
-                                keys=[], channels=["*"])
-        self.client.execute_command("ACL", "SETUSER", self.name, *rules)
+        """Replace the user's rules in one atomic ACL SETUSER."""
+        self.client.execute_command(
+            "ACL", "SETUSER", self.name, "reset", "on", f">{self.password}", "&*", *rules
+        )
 
 
 @pytest.fixture
