@@ -111,6 +111,9 @@ class ToolRequest(Request):  # type: ignore[misc]
             self._tooleffect_failure_class = self.runtime.classifier.classify(exc).value
         except Exception:
             self._tooleffect_failure_class = None
+        # The pool wraps the exception for transport; Celery would show the
+        # wrapper ("ExceptionWithTraceback()") in the task-failed event.
+        exc_info.exception = exc
         return super().on_failure(exc_info, send_failed_event=send_failed_event,
                                   return_ok=return_ok)
 

@@ -1,0 +1,143 @@
+"""Audit events: their fields, privacy levels, and record_step's promise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_tooleffect import AuditLog, ToolEffect, ToolTask
+from celery_tooleffect.audit import EVENT_FIELDS
+from tests.conftest import RedisServer, running_worker
+
+SECRET = "card-4111-1111-1111-1111"
+
+
+def all_values(client: redis.Redis, prefix: str) -> bytes:
+    """Every journal and audit value under ``prefix``, as one blob to grep.
+
+    Dead-letter envelopes are left out: they keep the arguments verbatim
+    because a replay needs them (see the README on who can read them).
+    """
+    blob = b""
+    for key in client.scan_iter(match=f"{prefix}*", count=1000):
+        if b"{dlq:" in key:
+            continue
+        kind = client.type(key)
+        if kind == b"stream":
+            for _, fields in client.xrange(key):
+                blob += b" ".join(fields.values())
+        elif kind == b"hash":
+            blob += b" ".join(client.hvals(key))
+    return blob
+
+
+def define_charge(app: Celery) -> ToolTask:
+    @app.task(base=ToolTask, name="tools.charge", shared=False,
+              effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    def charge(card: str, amount_cents: int) -> str:
+        if amount_cents < 0:
+            raise ValueError(f"negative amount for {card}")
+        return f"charged {card}"
+
+    return charge  # type: ignore[return-value]
+
+
+def test_events_carry_the_contract_fields(make_app: Callable[..., Celery]) -> None:
+    app = make_app()
+    charge = define_charge(app)
+    with running_worker(app):
+        result = charge.delay("c", 100)
+        result.get(timeout=20)
+    intent, outcome = AuditLog(app).events(result.id)
+    required = set(EVENT_FIELDS) - {"duration_ms", "failure_class", "exception_type"}
+    assert required <= set(intent) and required <= set(outcome)
+    assert outcome["duration_ms"] and float(outcome["duration_ms"]) >= 0
+    assert intent["attempt"] == outcome["attempt"] == "1"
+    assert (intent["seq"], outcome["seq"]) == ("1", "2")
+    assert intent["worker"].count(":") == 1  # hostname:pid
+    assert intent["queue"] == "tools" and intent["redelivered"] == "0"
+
+
+def test_metadata_privacy_keeps_only_sizes(
+    make_app: Callable[..., Celery], main_redis: redis.Redis, prefix: str
+) -> None:
+    app = make_app()
+    charge = define_charge(app)
+    with running_worker(app):
+        ok = charge.delay(SECRET, 100)
+        ok.get(timeout=20)
+        failed = charge.delay(SECRET, -1)
+        failed.get(timeout=20, propagate=False)
+    blob = all_values(main_redis, f"{prefix}te:{{")  # journal and audit streams
+    assert SECRET.encode() not in blob
+    outcome = AuditLog(app).events(ok.id)[1]
+    assert int(outcome["args_size"]) == len(f'["{SECRET}",100]')
+    assert int(outcome["result_size"]) == len(f'"charged {SECRET}"')
+    assert "args" not in outcome and "result" not in outcome
+    failure = AuditLog(app).events(failed.id)[1]
+    assert failure["exception_type"] == "ValueError" and "error_size" in failure
+
+
+@pytest.mark.parametrize("privacy", ["redacted", "full"])
+def test_redacted_and_full_privacy(make_app: Callable[..., Celery], privacy: str) -> None:
+    app = make_app(tooleffect_privacy=privacy)
+    charge = define_charge(app)
+    result = charge.apply((SECRET,), {"amount_cents": 5})
+    outcome = AuditLog(app).events(result.id)[1]
+    if privacy == "redacted":
+        assert outcome["args"] == '["***"]' and outcome["kwargs"] == '{"amount_cents":"***"}'
+        assert outcome["result"] == '"***"'
+    else:
+        assert SECRET in outcome["args"] and outcome["kwargs"] == '{"amount_cents":5}'
+        assert outcome["result"] == f'"charged {SECRET}"'
+
+
+def test_an_unknown_privacy_level_is_refused(make_app: Callable[..., Celery]) -> None:
+    app = make_app(tooleffect_privacy="everything")
+    with pytest.raises(ValueError, match="tooleffect_privacy"):
+        AuditLog(app)
+
+
+def test_record_step_never_raises_and_says_whether_it_stored(
+    make_app: Callable[..., Celery], second_redis: RedisServer
+) -> None:
+    app = make_app(tooleffect_redis_url=second_redis.url)
+    audit = AuditLog(app)
+    event = {"run_id": "r1", "task_id": "t1", "phase": "note", "status": "ok", "text": "é🙂"}
+    assert audit.record_step(event) is True
+    assert audit.events("r1")[0]["text"] == "é🙂"
+    second_redis.refuse_writes()
+    assert audit.record_step(event) is False
+    second_redis.stop()
+    assert audit.record_step(event) is False
+    assert audit.record_step({"no_run_id": "x"}) is False
+
+
+def test_the_task_failed_event_flower_reads_carries_the_failure_class(
+    make_app: Callable[..., Celery]
+) -> None:
+    import threading
+
+    app = make_app(worker_send_task_events=True, task_send_sent_event=False)
+    charge = define_charge(app)
+    failed_events: list[dict[str, object]] = []
+    with app.connection_for_read() as conn:
+        receiver = app.events.Receiver(conn, handlers={"task-failed": failed_events.append})
+        listener = threading.Thread(
+            target=lambda: receiver.capture(limit=None, timeout=None, wakeup=False), daemon=True
+        )
+        listener.start()
+        with running_worker(app):
+            result = charge.delay("c", -1)
+            result.get(timeout=20, propagate=False)
+            from tests.conftest import wait_for
+
+            wait_for(lambda: failed_events, what="the task-failed event")
+        receiver.should_stop = True
+    event = failed_events[0]
+    assert event["uuid"] == result.id
+    assert event["failure_class"] == "unknown"
+    assert "failure_class=unknown" in str(event["exception"])
