@@ -1,10 +1,369 @@
-"""Consumer step that dead-letters messages Celery would reject before any task code runs."""
+"""Dead-letter the task messages Celery's consumer refuses before any task code runs.
+
+Celery's worker consumer throws some messages away without running anything:
+
+- an unknown task name (``Consumer.on_unknown_task``) or a message with no task
+  name at all (``on_unknown_message``): rejected without requeue;
+- a body that cannot be decoded (``on_decode_error``: a bad serializer payload,
+  a failed decompression) or whose content type is not in ``accept_content``
+  (``ContentDisallowed``, which Celery routes to ``on_invalid_task``): acked or
+  rejected;
+- an invalid message (``on_invalid_task``, ``InvalidTaskError``: kwargs that
+  are not a mapping, an unparsable ``eta`` or ``expires``): rejected.
+
+On Redis every one of these deletes the message. :class:`DeadLetterStep`, a
+consumer bootstep that :func:`install_consumer_step` adds to an app when a
+``ToolTask`` is bound to it, stores each of them as a dead letter first:
+
+=====================================  ======================================
+Celery handler                         dead-letter reason
+=====================================  ======================================
+``on_unknown_task``,                   ``UNKNOWN_TASK`` (effect resolved by
+``on_unknown_message``                 name: an unknown name is
+                                       NON_IDEMPOTENT_WRITE)
+``on_decode_error``, and               ``UNDECODABLE_MESSAGE``
+``on_invalid_task`` for
+``ContentDisallowed``/``DecodeError``
+``on_invalid_task`` (anything else)    ``MALFORMED_MESSAGE``
+=====================================  ======================================
+
+The failure class is always ``client_error``: the producer sent something no
+worker can run. The letter is keyed by the message's task id (a generated one
+when the message has none, so a message without an id that is delivered twice
+yields two letters) and carries the raw body (UTF-8 text, or base64 when it is
+not valid UTF-8; ``options["raw_body_encoding"]`` says which), the content type
+and content encoding, and whatever of the envelope could be read: name, args,
+kwargs, run id, root and parent id, routing.
+
+What it promises:
+
+- The dead letter is stored (``HSETNX``: the first reason wins) *before*
+  Celery's own handler acknowledges or rejects the message; an audit event
+  with phase ``dead_lettered`` follows (fail-soft).
+- When it cannot be stored (:class:`~celery_tooleffect.errors.StoreUnavailable`,
+  or any unexpected error while building it) Celery's handler is not called:
+  the message stays unacknowledged and is requeued with
+  ``message.reject(requeue=True)`` after :data:`REQUEUE_DELAY` seconds (on
+  the worker's event loop; immediately when the worker has none). The delay
+  keeps a store outage from turning into a hot redelivery loop. If even the
+  requeue fails, the message stays in the broker's unacked set and kombu
+  restores it after the visibility timeout. It is never deleted.
+- The store call is a single blocking Redis round trip on the consumer's
+  thread, bounded by ``tooleffect_socket_timeout``; it only happens for bad
+  messages.
+
+Why a bootstep that wraps the consumer's methods: the handlers are plain
+methods of ``celery.worker.consumer.Consumer``, and Celery offers neither a
+signal that fires *before* the reject (``task_rejected`` and ``task_unknown``
+fire after it, when the message is gone) nor a setting for them. Replacing
+``worker_consumer`` with a subclass would fight any other extension that does
+the same. A consumer bootstep is instantiated in ``Consumer.__init__``, before
+any step starts, so the wrappers are in place both for ``create_task_handler``
+(which captures ``on_unknown_message``, ``on_unknown_task`` and
+``on_invalid_task`` when the consume loop starts) and for the ``Tasks`` step,
+which hands ``on_decode_error`` to kombu's ``Consumer`` when it starts.
+
+What it cannot reach: an envelope kombu cannot turn into a ``Message``. On the
+Redis transport (checked in kombu 5.7 with Celery 5.7) the worker pops the
+envelope off the queue list with ``BRPOP`` and parses it with ``json.loads`` in
+``Channel._brpop_read``; the channel then builds the ``Message`` (it needs
+``properties`` with a ``delivery_tag`` and base64-decodes the body). Only after
+that is the envelope copied to kombu's ``unacked`` hash and handed to Celery.
+So an envelope that is not JSON (or not UTF-8), whose body is not valid
+base64, or that lacks ``properties`` is already off the queue and in no
+``unacked`` hash when the error is raised, and no Celery handler ever sees it:
+it is lost. Worse, the error leaves the event loop: a ``ValueError`` (not JSON,
+bad base64) is reported by Celery as "Unrecoverable error" and the worker
+process stops (exit status 1); a ``KeyError`` (no ``properties``) is one of the
+transport's connection errors, so the consumer reconnects and carries on. Only
+a producer that bypasses kombu can write such an envelope; nothing in a
+consumer step can catch it.
+"""
 
 from __future__ import annotations
 
+import base64
+import logging
+import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from celery import bootsteps
+from celery.exceptions import NotRegistered
+from kombu.exceptions import ContentDisallowed, DecodeError
+
+from .attempt import queue_name, resolve_run_id
+from .audit import StepContext, worker_identity
+from .dead_letters import DeadLetter, DeadLetterReason
+from .effect import ToolEffect, ToolEffectResolver
+from .errors import StoreUnavailable
+from .failures import FailureClass
+from .runtime import runtime_for
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a message whose dead letter could not be stored stays unacknowledged
+#: before it is requeued (and so delivered, and tried, again).
+REQUEUE_DELAY = 1.0
+
+#: Set on a consumer whose handlers are wrapped, so they are wrapped once.
+_WRAPPED = "_tooleffect_dead_letters"
+
+#: Message fields copied into a dead letter's ``options`` (what a replay needs).
+_OPTION_FIELDS = ("root_id", "parent_id", "retries")
 
 
 def install_consumer_step(app: Any) -> None:
-    """Add the dead-lettering consumer step to ``app`` (idempotent). Stub: to be built."""
-    return None
+    """Make workers of ``app`` dead-letter the messages their consumer refuses.
+
+    Idempotent and cheap: ``app.steps["consumer"]`` is a set, and adding the
+    same class twice leaves one step. Takes effect for consumers created
+    afterwards (a worker creates its consumer after the app is finalized, when
+    every ``ToolTask`` is bound).
+    """
+    app.steps["consumer"].add(DeadLetterStep)
+
+
+class DeadLetterStep(bootsteps.Step):  # type: ignore[misc]
+    """Consumer bootstep: wraps the consumer's refusal handlers (see module docs)."""
+
+    name = "celery_tooleffect.consumer.DeadLetterStep"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        if not parent.__dict__.get(_WRAPPED):
+            RefusedMessages(parent).install()
+            parent.__dict__[_WRAPPED] = True
+
+
+class RefusedMessages:
+    """Wraps one consumer's refusal handlers so that each stores a dead letter first."""
+
+    def __init__(self, consumer: Any) -> None:
+        self.consumer = consumer
+        self.app = consumer.app
+
+    def install(self) -> None:
+        consumer = self.consumer
+        unknown_message: Callable[..., Any] = consumer.on_unknown_message
+        unknown_task: Callable[..., Any] = consumer.on_unknown_task
+        invalid_task: Callable[..., Any] = consumer.on_invalid_task
+        decode_error: Callable[..., Any] = consumer.on_decode_error
+
+        def on_unknown_message(body: Any, message: Any) -> None:
+            if self.dead_letter(message, body, DeadLetterReason.UNKNOWN_TASK, None):
+                unknown_message(body, message)
+
+        def on_unknown_task(body: Any, message: Any, exc: BaseException) -> None:
+            if self.dead_letter(message, body, DeadLetterReason.UNKNOWN_TASK, exc):
+                unknown_task(body, message, exc)
+
+        def on_invalid_task(body: Any, message: Any, exc: BaseException) -> None:
+            reason = (
+                DeadLetterReason.UNDECODABLE_MESSAGE
+                if isinstance(exc, (ContentDisallowed, DecodeError))
+                else DeadLetterReason.MALFORMED_MESSAGE
+            )
+            if self.dead_letter(message, body, reason, exc):
+                invalid_task(body, message, exc)
+
+        def on_decode_error(message: Any, exc: BaseException) -> None:
+            if self.dead_letter(message, None, DeadLetterReason.UNDECODABLE_MESSAGE, exc):
+                decode_error(message, exc)
+
+        consumer.on_unknown_message = on_unknown_message
+        consumer.on_unknown_task = on_unknown_task
+        consumer.on_invalid_task = on_invalid_task
+        consumer.on_decode_error = on_decode_error
+
+    def dead_letter(
+        self, message: Any, body: Any, reason: DeadLetterReason, exc: BaseException | None
+    ) -> bool:
+        """Store ``message`` as a dead letter; True when Celery may now drop it.
+
+        True when the letter was stored now or the task already was one (an
+        earlier delivery stored it and the worker stopped before dropping the
+        message). False when it could not be stored: the message is then kept
+        (see :meth:`keep`) and must not be acknowledged or rejected.
+        """
+        if not callable(getattr(message, "reject", None)):
+            # Not a kombu Message (kombu failed to build one): nothing to keep.
+            return True
+        try:
+            letter, context = build_refused_letter(self.app, message, body, reason, exc)
+        except Exception:
+            logger.critical("refused message (%s) could not be described, keeping it and "
+                            "requeueing it in %.1fs", reason.value, REQUEUE_DELAY, exc_info=True)
+            self.keep(message)
+            return False
+        try:
+            runtime = runtime_for(self.app)
+            created = runtime.dead_letters.store(letter)
+        except Exception as failed:
+            expected = isinstance(failed, StoreUnavailable)
+            logger.log(
+                logging.ERROR if expected else logging.CRITICAL,
+                "refused message %s[%s] (%s) not dead-lettered, keeping it and requeueing it "
+                "in %.1fs: %s: %s", letter.name or "<no task name>", letter.task_id,
+                reason.value, REQUEUE_DELAY, type(failed).__name__, failed,
+                exc_info=not expected,
+            )
+            self.keep(message)
+            return False
+        if created:
+            logger.warning(
+                "refused message %s[%s] dead-lettered (%s): %s",
+                letter.name or "<no task name>", letter.task_id, reason.value,
+                letter.error or letter.exception_type,
+            )
+            runtime.audit.record_step(
+                context.event(
+                    "dead_lettered", reason.value,
+                    failure_class=letter.failure_class, exception_type=letter.exception_type,
+                )
+            )
+        return True
+
+    def keep(self, message: Any) -> None:
+        """Requeue ``message`` after :data:`REQUEUE_DELAY`, leaving it unacked until then."""
+        hub = getattr(self.consumer, "hub", None)
+        if hub is not None:
+            try:
+                hub.call_later(REQUEUE_DELAY, _requeue, message)
+                return
+            except Exception as exc:
+                logger.warning("could not schedule the requeue, requeueing now: %s", exc)
+        _requeue(message)
+
+
+def _requeue(message: Any) -> None:
+    try:
+        if not message.acknowledged:
+            message.reject(requeue=True)
+    except Exception as exc:
+        logger.error(
+            "refused message %s not requeued (%s: %s); it stays unacknowledged and the "
+            "broker restores it after the visibility timeout",
+            getattr(message, "delivery_tag", "?"), type(exc).__name__, exc,
+        )
+
+
+def build_refused_letter(
+    app: Any, message: Any, body: Any, reason: DeadLetterReason, exc: BaseException | None
+) -> tuple[DeadLetter, StepContext]:
+    """The dead letter of a refused ``message``, and the audit context of its task.
+
+    ``body`` is the payload Celery already decoded (protocol 1), if any. Reads
+    only what can be read: a field that cannot be decoded is left empty, and
+    the raw body always keeps the whole message.
+    """
+    headers = _mapping(getattr(message, "headers", None))
+    payload = body if body is not None else _decoded(message, reason)
+    fields = dict(payload) if isinstance(payload, Mapping) else {}
+    fields.update(headers)
+    args, kwargs = _arguments(payload)
+
+    task_id = str(fields.get("id") or uuid.uuid4().hex)
+    name = str(fields.get("task") or "")
+    effect = _effect(app, name)
+    delivery_info = _mapping(getattr(message, "delivery_info", None))
+    queue = queue_name(delivery_info, app.conf.task_default_queue)
+    run_id = resolve_run_id(fields, task_id)
+    error = str(exc) if exc is not None else ""
+    if reason is DeadLetterReason.UNKNOWN_TASK:
+        # Celery passes the KeyError of its strategy lookup (or nothing).
+        exc = NotRegistered(name) if name else None
+        error = (
+            f"task {name!r} is not registered on this worker" if name
+            else "not a Celery task message: it names no task"
+        )
+    raw_body, raw_encoding = _raw_body(getattr(message, "body", None))
+    options: dict[str, Any] = {key: fields.get(key) for key in _OPTION_FIELDS}
+    options.update(
+        priority=_mapping(getattr(message, "properties", None)).get("priority"),
+        exchange=delivery_info.get("exchange"),
+        routing_key=delivery_info.get("routing_key"),
+        raw_body_encoding=raw_encoding,
+    )
+    letter = DeadLetter(
+        task_id=task_id,
+        name=name,
+        queue=queue,
+        reason=reason.value,
+        failure_class=FailureClass.CLIENT_ERROR.value,
+        effect=effect.value,
+        args=args,
+        kwargs=kwargs,
+        headers={"tooleffect_run_id": run_id},
+        options={key: value for key, value in options.items() if value is not None},
+        run_id=run_id,
+        exception_type=type(exc).__qualname__ if exc is not None else "",
+        error=error,
+        attempts=0,
+        worker=worker_identity(),
+        raw_body=raw_body,
+        content_type=_text(getattr(message, "content_type", None)),
+        content_encoding=_text(getattr(message, "content_encoding", None)),
+    )
+    context = StepContext(
+        run_id=run_id,
+        task_id=task_id,
+        tool=name,
+        effect=effect,
+        queue=queue,
+        redelivered=bool(delivery_info.get("redelivered")),
+        worker=letter.worker,
+    )
+    return letter, context
+
+
+def _decoded(message: Any, reason: DeadLetterReason) -> Any:
+    """The decoded body, or None when it cannot (or must not) be decoded."""
+    if reason is DeadLetterReason.UNDECODABLE_MESSAGE:
+        return None
+    try:
+        return message.decode()
+    except Exception:
+        return None
+
+
+def _arguments(payload: Any) -> tuple[list[Any], dict[str, Any]]:
+    """``(args, kwargs)`` of a protocol 2 body ``[args, kwargs, embed]`` or a protocol 1 dict."""
+    if isinstance(payload, (list, tuple)) and len(payload) == 3:
+        args, kwargs = payload[0], payload[1]
+    elif isinstance(payload, Mapping):
+        args, kwargs = payload.get("args"), payload.get("kwargs")
+    else:
+        return [], {}
+    return (
+        list(args) if isinstance(args, (list, tuple)) else [],
+        dict(kwargs) if isinstance(kwargs, Mapping) else {},
+    )
+
+
+def _effect(app: Any, name: str) -> ToolEffect:
+    try:
+        return ToolEffectResolver(app).effect_for(name)
+    except Exception:
+        return ToolEffectResolver.UNKNOWN_TOOL_EFFECT
+
+
+def _raw_body(body: Any) -> tuple[str | None, str | None]:
+    """The body as UTF-8 text when it is valid UTF-8, else as base64."""
+    if body is None:
+        return None, None
+    if isinstance(body, str):
+        return body, "utf-8"
+    data = bytes(body)
+    try:
+        return data.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        return base64.b64encode(data).decode("ascii"), "base64"
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
