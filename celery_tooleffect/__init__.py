@@ -15,6 +15,7 @@ from .errors import (
     IntentNotRecorded,
     InterruptedWrite,
     LeaseLost,
+    LeaseNotSecured,
     RetriesExhausted,
     StoreUnavailable,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "Journal",
     "JournalState",
     "LeaseLost",
+    "LeaseNotSecured",
     "NoSideEffect",
     "RetriesExhausted",
     "StoreUnavailable",

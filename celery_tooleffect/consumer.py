@@ -31,7 +31,7 @@ The failure class is always ``client_error``: the producer sent something no
 worker can run. The letter is keyed by the message's task id (a generated one
 when the message has none, so a message without an id that is delivered twice
 yields two letters) and carries the raw body (UTF-8 text, or base64 when it is
-not valid UTF-8; ``options["raw_body_encoding"]`` says which), the content type
+not valid UTF-8; ``raw_body_encoding`` says which), the content type
 and content encoding, and whatever of the envelope could be read: name, args,
 kwargs, run id, root and parent id, routing.
 
@@ -283,7 +283,6 @@ def build_refused_letter(
         priority=_mapping(getattr(message, "properties", None)).get("priority"),
         exchange=delivery_info.get("exchange"),
         routing_key=delivery_info.get("routing_key"),
-        raw_body_encoding=raw_encoding,
     )
     letter = DeadLetter(
         task_id=task_id,
@@ -302,6 +301,7 @@ def build_refused_letter(
         attempts=0,
         worker=worker_identity(),
         raw_body=raw_body,
+        raw_body_encoding=raw_encoding,
         content_type=_text(getattr(message, "content_type", None)),
         content_encoding=_text(getattr(message, "content_encoding", None)),
     )

@@ -73,8 +73,12 @@ class DeadLetter:
     #: For a message that could not be decoded: its body as text (or base64),
     #: with the content type and encoding it claimed.
     raw_body: str | None = None
+    raw_body_encoding: str | None = None
     content_type: str | None = None
     content_encoding: str | None = None
+    #: Outcomes reported by a worker that had lost its lease after the task
+    #: was dead-lettered: the write still ran, and this says how it ended.
+    late_outcomes: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=repr, ensure_ascii=False)
@@ -119,6 +123,31 @@ class DeadLetters:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"dead letter not stored: {exc}") from exc
         return bool(created)
+
+    def record_late_outcome(self, task_id: str, event: dict[str, str]) -> bool:
+        """Copy a late outcome onto the task's dead letter, if it has one.
+
+        True when copied. Fail-soft: the outcome is in the audit log already.
+        """
+        queue = self.queue_of(task_id)
+        if queue is None:
+            return False
+        key = self.keys.dead_letters(queue)
+
+        def append(pipe: Any) -> None:
+            raw = pipe.hget(key, task_id)
+            if raw is None:
+                return
+            letter = DeadLetter.from_json(raw)
+            letter.late_outcomes.append(dict(event))
+            pipe.multi()
+            pipe.hset(key, task_id, letter.to_json())
+
+        try:
+            self.client.transaction(append, key)
+        except redis.RedisError:
+            return False
+        return True
 
     def queue_of(self, task_id: str) -> str | None:
         where = self.client.hget(self.keys.dead_letter_locations, task_id)

@@ -38,6 +38,10 @@ class IntentNotRecorded(StoreUnavailable):
     """The intent of a write could not be stored, so its body did not run."""
 
 
+class LeaseNotSecured(StoreUnavailable):
+    """The broker lease could not be extended for the deadline; the write did not start."""
+
+
 class EffectRelabelRefused(ImproperlyConfigured):  # type: ignore[misc]
     """Configuration, a header or a call option tried to change a guarantee.
 

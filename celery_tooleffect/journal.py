@@ -190,6 +190,22 @@ class Journal:
             self.audit.copy_to_global(event)
         return Transition(moved, text(answer[1]))
 
+    def renew_lease(self, ref: JournalRef, *, token: str, lease_end: float) -> bool:
+        """Push the lease of a running attempt to ``lease_end`` (never back).
+
+        False when the attempt is no longer ``token``'s: its lease was lost.
+        Raises :class:`StoreUnavailable` when the journal did not answer.
+        """
+        try:
+            renewed = script("renew_lease")(
+                self.client,
+                [self.keys.journal(ref.run_id, ref.task_id)],
+                [token, f"{lease_end:.6f}"],
+            )
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"journal unavailable: {exc}") from exc
+        return bool(renewed)
+
     def read(self, ref: JournalRef) -> dict[str, str]:
         """The entry's fields (empty when there is none)."""
         try:

@@ -26,6 +26,7 @@ from .dead_letters import DeadLetter, DeadLetterReason, DeadLetters
 from .errors import DeadLettered, LeaseLost, StoreUnavailable
 from .failures import FailureClass, FailureClassifier
 from .journal import Journal, JournalState
+from .leases import Leases
 from .settings import Settings, settings_for
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class ToolRuntime:
         self.audit = AuditLog(app, self.settings)
         self.journal = Journal(self.settings, self.audit)
         self.dead_letters = DeadLetters(app, self.settings)
+        self.leases = Leases(self.settings)
         self.classifier = FailureClassifier.from_setting(self.settings.failure_classes)
 
     def dead_letter(

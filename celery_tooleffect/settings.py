@@ -33,6 +33,8 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_global_stream_maxlen": 100_000,
     "tooleffect_failure_classes": {},
     "tooleffect_socket_timeout": 5.0,
+    "tooleffect_heartbeat_interval": None,
+    "tooleffect_rabbitmq_consumer_timeout": 1800.0,
 }
 
 
@@ -41,6 +43,7 @@ class Settings:
     """The resolved settings of one app."""
 
     redis_url: str
+    broker_url: str
     dead_letter_url: str
     key_prefix: str
     max_retries: int
@@ -54,6 +57,8 @@ class Settings:
     socket_timeout: float
     broker_is_redis: bool
     visibility_timeout: float
+    heartbeat_interval: float | None
+    rabbitmq_consumer_timeout: float
     broker_transport_options: Mapping[str, Any] = field(default_factory=dict)
 
     def backoff(self, retries: int) -> float:
@@ -118,6 +123,7 @@ def _read(app: Celery) -> Settings:
         raise ValueError(f"tooleffect_privacy must be one of {PRIVACY_LEVELS}, not {privacy!r}")
     return Settings(
         redis_url=str(redis_url),
+        broker_url=broker_url,
         dead_letter_url=broker_url if broker_is_redis else str(redis_url),
         key_prefix=str(get("tooleffect_key_prefix")),
         max_retries=int(get("tooleffect_max_retries")),
@@ -131,5 +137,10 @@ def _read(app: Celery) -> Settings:
         socket_timeout=float(get("tooleffect_socket_timeout")),
         broker_is_redis=broker_is_redis,
         visibility_timeout=float(transport_options.get("visibility_timeout", 3600)),
+        heartbeat_interval=(
+            float(conf["tooleffect_heartbeat_interval"])
+            if conf.get("tooleffect_heartbeat_interval") else None
+        ),
+        rabbitmq_consumer_timeout=float(get("tooleffect_rabbitmq_consumer_timeout")),
         broker_transport_options=transport_options,
     )

@@ -12,11 +12,13 @@ FAILURE.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task
@@ -43,11 +45,13 @@ from .errors import (
     IntentNotRecorded,
     InterruptedWrite,
     LeaseLost,
+    LeaseNotSecured,
     RetriesExhausted,
     StoreUnavailable,
 )
 from .failures import FailureClass, is_no_side_effect
 from .journal import Begin, JournalState, Verdict
+from .leases import Heartbeat, LeasePlan, LeaseVerdict, heartbeat_interval
 from .runtime import ToolRuntime, build_letter, runtime_for
 from .settings import refuse_unknown_settings
 from .signals import AUDITED_MARK, connect_signals
@@ -277,11 +281,13 @@ class ToolTask(Task):  # type: ignore[misc]
     ) -> Any:
         runtime = self.runtime
         privacy = runtime.settings.privacy
-        begin = self._begin(attempt, request, args, kwargs)
+        plan = self._lease_plan(attempt, request)
+        begin = self._begin(attempt, request, args, kwargs, plan)
         number = begin.attempt
         started = time.monotonic()
         try:
-            result = self.run(*args, **kwargs)
+            with self._heartbeat(attempt, plan):
+                result = self.run(*args, **kwargs)
         except (Ignore, Retry, Reject):
             raise
         except Exception as exc:
@@ -313,27 +319,91 @@ class ToolTask(Task):  # type: ignore[misc]
                     failure_class=FailureClass.UNKNOWN.value,
                 ),
             )
-        if not moved and not attempt.interactive:
-            raise LeaseLost(f"{self.name}[{attempt.task_id}] finished after losing its lease")
+        if not moved:
+            # Another delivery owns the entry now; the outcome was stored as a
+            # late_outcome, and the dead letter (if any) gets a copy of it.
+            runtime.dead_letters.record_late_outcome(attempt.task_id, event)
+            if not attempt.interactive:
+                raise LeaseLost(f"{self.name}[{attempt.task_id}] finished after losing its lease")
         return result
 
+    def _lease_plan(self, attempt: Attempt, request: Context) -> LeasePlan:
+        """Secure the broker lease for the deadline, before anything is recorded.
+
+        Without an ``operation_deadline`` the journal's lease is the visibility
+        timeout and nothing is extended: the message comes back after it, as
+        with plain Celery.
+        """
+        runtime = self.runtime
+        now = time.time()
+        deadline = self.operation_deadline
+        if not deadline:
+            return LeasePlan(journal_lease_end=now + runtime.settings.visibility_timeout)
+        deadline_end = now + float(deadline)
+        interval = heartbeat_interval(runtime.settings, float(deadline))
+        plan = LeasePlan(
+            journal_lease_end=min(now + 3 * interval, deadline_end),
+            deadline_end=deadline_end,
+            interval=interval,
+        )
+        lease = None if attempt.interactive else runtime.leases.broker_lease(request.properties)
+        if lease is None:
+            return plan
+        verdict = runtime.leases.extend_lease(lease, deadline_end)
+        if verdict is LeaseVerdict.OK:
+            return replace(plan, broker_lease=lease)
+        runtime.audit.record_step(
+            attempt.context.event("lease_refused", verdict.value, lease_until=f"{deadline_end:.3f}")
+        )
+        if verdict is LeaseVerdict.LOST:
+            # The message was restored: its other copy will run. Acknowledging
+            # ours would delete that copy's lease (the delivery tag is shared).
+            raise LeaseLost(f"{self.name}[{attempt.task_id}]: message restored before it began")
+        self._after_failure(
+            attempt, request,
+            LeaseNotSecured(f"{self.name}[{attempt.task_id}] not run: lease not secured "
+                            f"({verdict.value})"),
+            FailureClass.CONNECTION, attempt.retries + 1, body_started=False,
+        )
+
+    def _heartbeat(
+        self, attempt: Attempt, plan: LeasePlan
+    ) -> contextlib.AbstractContextManager[Any]:
+        """The heartbeat of a write with a deadline; nothing for the others."""
+        if plan.deadline_end is None or plan.interval is None:
+            return contextlib.nullcontext()
+        runtime = self.runtime
+
+        def lease_failed(why: str) -> None:
+            logger.warning("%s[%s]: lease extension failed (%s)", self.name, attempt.task_id, why)
+            runtime.audit.record_step(attempt.context.event("lease_extension_failed", why))
+
+        return Heartbeat(
+            journal=runtime.journal, ref=attempt.ref, token=attempt.token,
+            leases=runtime.leases, broker_lease=plan.broker_lease,
+            deadline_end=plan.deadline_end, interval=plan.interval, on_failure=lease_failed,
+        )
+
     def _begin(
-        self, attempt: Attempt, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, attempt: Attempt, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any],
+        plan: LeasePlan,
     ) -> Begin:
         """Record the intent of a write, or end this delivery without running it."""
         runtime = self.runtime
         settings = runtime.settings
-        lease = float(self.operation_deadline or settings.visibility_timeout)
+        lease_note = {} if plan.broker_lease is None else {
+            "lease_until": f"{plan.deadline_end:.3f}"
+        }
         try:
             begin = runtime.journal.begin_attempt(
                 attempt.ref,
                 token=attempt.token,
                 effect=attempt.effect.value,
-                lease_end=time.time() + lease,
+                lease_end=plan.journal_lease_end,
                 attempts_allowed=settings.max_retries + 1,
                 event=attempt.context.event(
                     "intent", "started",
-                    payload=_payload(settings.privacy, args=args, kwargs=kwargs),
+                    payload={**_payload(settings.privacy, args=args, kwargs=kwargs), **lease_note},
                 ),
             )
         except StoreUnavailable as store_down:

@@ -178,7 +178,7 @@ def test_undecodable_body_is_dead_lettered(
     assert letter.name == TOOL
     assert letter.effect == "read_only"  # a known tool keeps its declared effect
     assert letter.failure_class == "client_error"
-    assert letter.options["raw_body_encoding"] == raw_encoding
+    assert letter.raw_body_encoding == raw_encoding
     raw = letter.raw_body or ""
     assert (base64.b64decode(raw) if raw_encoding == "base64" else raw.encode()) == body
     assert letter.content_type == content_type
