@@ -55,6 +55,7 @@ from .leases import Heartbeat, LeasePlan, LeaseVerdict, heartbeat_interval
 from .runtime import ToolRuntime, build_letter, runtime_for
 from .settings import refuse_unknown_settings
 from .signals import AUDITED_MARK, connect_signals
+from .startup import install_startup_checks
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class ToolTask(Task):  # type: ignore[misc]
         refuse_unknown_settings(app.conf)
         connect_signals()
         install_consumer_step(app)
+        install_startup_checks(app)
         return bound
 
     @classmethod
@@ -529,6 +531,11 @@ class ToolTask(Task):  # type: ignore[misc]
     def _come_back_later(self, attempt: Attempt, request: Context, begin: Begin) -> NoReturn:
         """A live owner runs this task: republish for when its lease ends."""
         wait = max(begin.owner_lease_end - time.time(), 0.0) + 1.0
+        settings = self.runtime.settings
+        if settings.broker_is_redis:
+            # A countdown longer than the visibility timeout would be restored
+            # while it waits; come back sooner and look again.
+            wait = min(wait, 0.8 * settings.visibility_timeout)
         if attempt.interactive:
             raise AttemptInProgress(
                 f"{self.name}[{attempt.task_id}] is running elsewhere for {wait:.0f}s more"

@@ -79,3 +79,11 @@ def read_limited(key: str, hold: float = 0.0) -> str:
 )
 def write_limited(key: str, hold: float = 0.0) -> str:
     return hold_and_count(key, hold)
+
+
+@app.task(
+    base=ToolTask, name="tools.write_deadline", effect=ToolEffect.NON_IDEMPOTENT_WRITE,
+    operation_deadline=12,
+)
+def write_deadline(key: str, hold: float = 0.0) -> str:
+    return hold_and_count(key, hold)
