@@ -8,14 +8,23 @@ the store's Redis.
 Per queue: a hash of envelopes by task id and a sorted set by time, so listing
 is paged and reading one is O(1). The first reason stored for a task wins
 (``HSETNX``): a later attempt to dead-letter the same task keeps the original.
+
+Besides the per-queue index, every letter is listed, by time, in one index of
+all queues and in one index per reason, failure class and effect. A page with
+any filters walks the smallest of the matching indexes from a cursor, so no
+listing, showing or counting ever reads every envelope: counts are the sizes
+of those indexes (``ZCARD``), which cannot drift from what is stored because
+the envelope and its index entries are written and removed by one script.
 """
 
 from __future__ import annotations
 
+import builtins
 import enum
 import heapq
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +34,7 @@ from .audit import text
 from .connections import redis_client
 from .errors import StoreUnavailable
 from .keys import Keys
+from .lua import script
 from .settings import Settings, settings_for
 
 if TYPE_CHECKING:
@@ -109,17 +119,29 @@ class DeadLetters:
         caller must then keep the message (requeue it or leave it unacked).
         """
         queue = letter.queue
+        keys = self.keys
         try:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.hsetnx(self.keys.dead_letters(queue), letter.task_id, letter.to_json())
-            pipe.zadd(
-                self.keys.dead_letter_index(queue),
-                {letter.task_id: letter.dead_lettered_at},
-                nx=True,
+            # One round trip: a script, so that the indexes that page and
+            # count without scanning (see ``page`` and ``stats``) change only
+            # when the envelope is stored (the first one wins).
+            created = script("dead_letter_store")(
+                self.client,
+                [
+                    keys.dead_letters(queue),
+                    keys.dead_letter_index(queue),
+                    keys.dead_letter_queues,
+                    keys.dead_letter_locations,
+                    keys.dead_letter_facets,
+                    *self.shared_index_keys(letter),
+                ],
+                [
+                    letter.task_id,
+                    letter.to_json(),
+                    repr(float(letter.dead_lettered_at)),
+                    queue,
+                    *(f"{facet}:{value}" for facet, value in facets_of(letter)),
+                ],
             )
-            pipe.sadd(self.keys.dead_letter_queues, queue)
-            pipe.hsetnx(self.keys.dead_letter_locations, letter.task_id, queue)
-            created, *_ = pipe.execute()
         except redis.RedisError as exc:
             raise StoreUnavailable(f"dead letter not stored: {exc}") from exc
         return bool(created)
@@ -206,3 +228,328 @@ class DeadLetters:
         for _, task_id, name in page:
             pipe.hget(self.keys.dead_letters(name), task_id)
         return [DeadLetter.from_json(raw) for raw in pipe.execute() if raw is not None]
+
+    # -- indexes, paging, counts and removal -------------------------------------
+
+    def shared_index_keys(self, letter: DeadLetter) -> builtins.list[str]:
+        """The indexes besides its queue's that list ``letter``: all queues, and its facets."""
+        return [
+            self.keys.dead_letter_all,
+            *(self.keys.dead_letter_facet(facet, value) for facet, value in facets_of(letter)),
+        ]
+
+    def page(
+        self,
+        query: DeadLetterQuery | None = None,
+        *,
+        limit: int = 50,
+        before: Cursor | None = None,
+    ) -> DeadLetterPage:
+        """Up to ``limit`` dead letters matching ``query``, newest first, older than ``before``.
+
+        Cost: a few round trips and O(log N + limit) work per index for no
+        filter or one; with several filters, the smallest matching index is
+        walked from the cursor and each candidate checked against the others
+        (``ZMSCORE``), so the walk is bounded by the size of the smallest
+        matching index, never by the number of dead letters. ``total`` is the
+        exact number of matches when at most one filter is given, else None.
+        """
+        query = query or DeadLetterQuery()
+        limit = max(int(limit), 1)
+        keys = self._query_keys(query)
+        client = self.client
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.zcard(key)
+        sizes = [int(size) for size in pipe.execute()]
+        ordered = [key for _, key in sorted(zip(sizes, keys, strict=True))]
+        primary, others = ordered[0], ordered[1:]
+        total = min(sizes) if not others else None
+        if min(sizes) == 0:
+            return DeadLetterPage([], None, 0 if total is not None else None)
+
+        wanted = limit + 1  # one more than asked: tells whether a next page exists
+        chunk = wanted if not others else max(4 * wanted, 200)
+        found: builtins.list[tuple[bytes, float]] = []
+        cursor = before
+        while len(found) < wanted:
+            entries, exhausted = _older(client, primary, cursor, chunk)
+            if not entries:
+                break
+            cursor = Cursor(entries[-1][1], text(entries[-1][0]))
+            if others:
+                members = [member for member, _ in entries]
+                pipe = client.pipeline(transaction=False)
+                for key in others:
+                    pipe.zmscore(key, members)  # type: ignore[arg-type]
+                present = pipe.execute()
+                entries = [
+                    entry for i, entry in enumerate(entries)
+                    if all(scores[i] is not None for scores in present)
+                ]
+            found.extend(entries)
+            if exhausted:
+                break
+        more = len(found) > limit
+        found = found[:limit]
+        letters = self._read_envelopes([text(member) for member, _ in found], query.queue)
+        next_cursor = Cursor(found[-1][1], text(found[-1][0])) if more and found else None
+        return DeadLetterPage(letters, next_cursor, total)
+
+    def matching_ids(
+        self, query: DeadLetterQuery | None = None, *, older_than: float | None = None,
+        batch: int = 500,
+    ) -> Iterator[builtins.list[str]]:
+        """Task ids matching ``query`` (stored before ``older_than``), in batches, newest first.
+
+        Walks with a cursor, so removing what it yields while it runs is safe.
+        """
+        cursor = Cursor(older_than, "") if older_than is not None else None
+        while True:
+            page = self.page(query, limit=batch, before=cursor)
+            if page.letters:
+                yield [letter.task_id for letter in page.letters]
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    def stats(self) -> DeadLetterStats:
+        """How many dead letters there are, by queue, reason, failure class and effect.
+
+        Three round trips whatever the number of dead letters: the counts are
+        the sizes of the indexes.
+        """
+        client = self.client
+        pipe = client.pipeline(transaction=False)
+        pipe.smembers(self.keys.dead_letter_queues)
+        pipe.smembers(self.keys.dead_letter_facets)
+        queue_members, facet_members = pipe.execute()
+        queues = sorted(text(member) for member in queue_members)
+        facets = sorted(
+            tuple(text(member).split(":", 1)) for member in facet_members
+            if ":" in text(member)
+        )
+        pipe = client.pipeline(transaction=False)
+        pipe.zcard(self.keys.dead_letter_all)
+        pipe.hlen(self.keys.dead_letter_replaying)
+        for queue in queues:
+            pipe.zcard(self.keys.dead_letter_index(queue))
+        for facet, value in facets:
+            pipe.zcard(self.keys.dead_letter_facet(facet, value))
+        total, replaying, *counts = (int(count) for count in pipe.execute())
+        by: dict[str, dict[str, int]] = {facet: {} for facet in FACETS}
+        by_queue = {
+            queue: count for queue, count in zip(queues, counts[: len(queues)], strict=True)
+            if count
+        }
+        for (facet, value), count in zip(facets, counts[len(queues):], strict=True):
+            if count and facet in by:
+                by[facet][value] = count
+        return DeadLetterStats(
+            total=total,
+            by_queue=by_queue,
+            by_reason=by["reason"],
+            by_failure_class=by["failure_class"],
+            by_effect=by["effect"],
+            replay_pending=replaying,
+        )
+
+    def take(self, task_id: str) -> DeadLetter | None:
+        """Move the dead letter of ``task_id`` aside for a replay; None if there is none.
+
+        Atomic: of two operators replaying the same task at once, one gets the
+        letter and the other None. Until :meth:`forget_taken` or
+        :meth:`put_back`, the letter is in the hash of replays in progress
+        (:meth:`taken`), so a replay that dies half-way loses nothing. A
+        new dead letter of the same task (the replay failed again) is stored
+        normally meanwhile.
+        """
+        return self._remove(task_id, "move")
+
+    def remove(self, task_id: str) -> DeadLetter | None:
+        """Delete the dead letter of ``task_id`` with its index entries; None if there is none."""
+        return self._remove(task_id, "delete")
+
+    def put_back(self, letter: DeadLetter) -> bool:
+        """Return a letter taken by :meth:`take` to the store (its replay did not happen).
+
+        True when stored again; False when the task meanwhile became a dead
+        letter again (that newer letter stays).
+        """
+        created = self.store(letter)
+        self.forget_taken(letter.task_id)
+        return created
+
+    def forget_taken(self, task_id: str) -> None:
+        """Forget a letter taken by :meth:`take` once its replay (or purge) is done."""
+        try:
+            self.client.hdel(self.keys.dead_letter_replaying, task_id)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
+
+    def taken(self, task_id: str) -> DeadLetter | None:
+        """The letter of ``task_id`` taken by a replay or purge that has not finished, if any."""
+        raw = self.client.hget(self.keys.dead_letter_replaying, task_id)
+        return DeadLetter.from_json(raw) if raw is not None else None
+
+    def _remove(self, task_id: str, mode: str) -> DeadLetter | None:
+        for _ in range(10):  # the letter changes only when a late outcome is copied onto it
+            try:
+                queue = self.queue_of(task_id)
+                if queue is None:
+                    return None
+                raw = self.client.hget(self.keys.dead_letters(queue), task_id)
+                if raw is None:
+                    return None
+                letter = DeadLetter.from_json(raw)
+                taken = script("dead_letter_remove")(
+                    self.client,
+                    [
+                        self.keys.dead_letters(queue),
+                        self.keys.dead_letter_locations,
+                        self.keys.dead_letter_replaying,
+                        self.keys.dead_letter_index(queue),
+                        *self.shared_index_keys(letter),
+                    ],
+                    [task_id, raw, mode, queue],
+                )
+            except redis.RedisError as exc:
+                raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
+            if taken:
+                return letter
+        return None
+
+    def _query_keys(self, query: DeadLetterQuery) -> builtins.list[str]:
+        keys: builtins.list[str] = []
+        if query.queue:
+            keys.append(self.keys.dead_letter_index(query.queue))
+        for facet, value in query.facets():
+            keys.append(self.keys.dead_letter_facet(facet, value))
+        return keys or [self.keys.dead_letter_all]
+
+    def _read_envelopes(
+        self, task_ids: builtins.list[str], queue: str | None
+    ) -> builtins.list[DeadLetter]:
+        if not task_ids:
+            return []
+        client = self.client
+        if queue is not None:
+            queues: builtins.list[Any] = [queue] * len(task_ids)
+        else:
+            queues = list(client.hmget(self.keys.dead_letter_locations, task_ids))
+        pipe = client.pipeline(transaction=False)
+        located = [
+            (task_id, text(where)) for task_id, where in zip(task_ids, queues, strict=True)
+            if where is not None
+        ]
+        for task_id, where in located:
+            pipe.hget(self.keys.dead_letters(where), task_id)
+        return [DeadLetter.from_json(raw) for raw in pipe.execute() if raw is not None]
+
+
+#: What a dead letter is indexed and counted by, besides its queue.
+FACETS = ("reason", "failure_class", "effect")
+
+
+def facets_of(letter: DeadLetter) -> list[tuple[str, str]]:
+    """``(facet, value)`` of each of ``letter``'s :data:`FACETS`."""
+    return [(facet, str(getattr(letter, facet) or "")) for facet in FACETS]
+
+
+@dataclass(frozen=True)
+class DeadLetterQuery:
+    """Which dead letters: every filter that is set must match (None: any)."""
+
+    queue: str | None = None
+    reason: str | None = None
+    failure_class: str | None = None
+    effect: str | None = None
+
+    def facets(self) -> list[tuple[str, str]]:
+        return [(facet, value) for facet in FACETS if (value := getattr(self, facet))]
+
+    def matches(self, letter: DeadLetter) -> bool:
+        return (not self.queue or letter.queue == self.queue) and all(
+            str(getattr(letter, facet)) == value for facet, value in self.facets()
+        )
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a page ended: the next page holds what was stored before it.
+
+    Its text form ``<time>:<task id>`` is what the CLI and the JSON API hand
+    out as ``next_cursor``.
+    """
+
+    stored_at: float
+    task_id: str
+
+    def encode(self) -> str:
+        return f"{self.stored_at!r}:{self.task_id}"
+
+    @classmethod
+    def decode(cls, value: str) -> Cursor:
+        stored_at, sep, task_id = value.partition(":")
+        if not sep:
+            raise ValueError(f"not a cursor: {value!r}")
+        return cls(float(stored_at), task_id)
+
+
+@dataclass(frozen=True)
+class DeadLetterPage:
+    """One page of dead letters, newest first."""
+
+    letters: list[DeadLetter]
+    #: Where the next page starts; None on the last page.
+    next_cursor: Cursor | None
+    #: How many dead letters match in all (None when not known without a walk).
+    total: int | None
+
+
+@dataclass(frozen=True)
+class DeadLetterStats:
+    """Dead-letter counts; only values with at least one dead letter are listed."""
+
+    total: int
+    by_queue: dict[str, int]
+    by_reason: dict[str, int]
+    by_failure_class: dict[str, int]
+    by_effect: dict[str, int]
+    #: Letters taken aside by a replay that has not finished.
+    replay_pending: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _older(
+    client: redis.Redis, key: str, cursor: Cursor | None, count: int
+) -> tuple[list[tuple[bytes, float]], bool]:
+    """Up to ``count`` entries of ``key``, newest first, strictly older than ``cursor``,
+    and whether the index ran out.
+
+    Entries with the cursor's own time are ordered by task id (as Redis
+    orders equal scores), so a cursor is exact even when times tie.
+    """
+    if cursor is None:
+        entries = _entries(client.zrevrange(key, 0, count - 1, withscores=True))
+        return entries, len(entries) < count
+    mark = cursor.task_id.encode()
+    skip = 0
+    while True:
+        batch = _entries(client.zrevrangebyscore(
+            key, repr(cursor.stored_at), "-inf", start=skip, num=count, withscores=True
+        ))
+        kept = [
+            (member, score) for member, score in batch
+            if not (score == cursor.stored_at and member >= mark)
+        ]
+        if kept or len(batch) < count:
+            return kept, len(batch) < count
+        skip += count
+
+
+def _entries(reply: Any) -> list[tuple[bytes, float]]:
+    """A sorted-set reply with scores, as ``(member, score)`` pairs."""
+    return [(bytes(member), float(score)) for member, score in reply]

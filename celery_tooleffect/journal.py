@@ -213,3 +213,62 @@ class Journal:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
         return {text(key): text(value) for key, value in raw.items()}
+
+    def replay(
+        self,
+        ref: JournalRef,
+        *,
+        token: str,
+        effect: str,
+        allowed: Iterable[JournalState | str],
+        event: Mapping[str, str],
+        refuse_late_outcome: bool,
+        lapsed_running_ok: bool = False,
+    ) -> Replay:
+        """Reset the entry for a replay under ``token`` and store ``event``, atomically.
+
+        The entry moves to ``replayed`` with attempt 0 (the replayed task has
+        its whole attempt budget again) only from a state in ``allowed`` (or,
+        with ``lapsed_running_ok``, from ``running`` whose lease has lapsed),
+        and, with ``refuse_late_outcome``, only when the run's stream holds no
+        ``late_outcome`` of the task. Raises :class:`StoreUnavailable` when
+        nothing could be stored.
+        """
+        try:
+            answer = script("replay")(
+                self.client,
+                self._keys(ref),
+                [
+                    token,
+                    f"{time.time():.6f}",
+                    " ".join(str(getattr(state, "value", state)) for state in allowed),
+                    effect,
+                    self.settings.journal_ttl,
+                    self.settings.run_stream_maxlen,
+                    ref.task_id,
+                    "1" if refuse_late_outcome else "0",
+                    "1" if lapsed_running_ok else "0",
+                    *flatten(event),
+                ],
+            )
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"journal unavailable: {exc}") from exc
+        moved = text(answer[0]) == "ok"
+        if moved:
+            self.audit.copy_to_global(event)
+        return Replay(moved, text(answer[1]), text(answer[2]))
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The answer of :meth:`Journal.replay`; true when the entry was reset."""
+
+    reset: bool
+    #: The state the entry was in ('absent', or 'late_outcome' when a late
+    #: outcome of the task refused the replay).
+    previous_state: str
+    #: Attempts spent before the replay, or the late outcome's status.
+    detail: str
+
+    def __bool__(self) -> bool:
+        return self.reset

@@ -58,3 +58,27 @@ class Keys:
     def dead_letter_locations(self) -> str:
         """Task id to queue, so that a dead letter is found by task id alone."""
         return f"{self.prefix}dlq:where"
+
+    # -- dead-letter indexes (paging and counts without scans) ---------------
+
+    @property
+    def dead_letter_all(self) -> str:
+        """The sorted set of every queue's dead letters by the time they were stored."""
+        return f"{self.prefix}dlq:index"
+
+    def dead_letter_facet(self, facet: str, value: str) -> str:
+        """The sorted set, by time, of the dead letters whose ``facet`` is ``value``.
+
+        ``facet`` is ``reason``, ``failure_class`` or ``effect``.
+        """
+        return f"{self.prefix}dlq:by:{facet}:{hash_tag(value)}"
+
+    @property
+    def dead_letter_facets(self) -> str:
+        """The set of ``facet:value`` pairs that have (or had) dead letters."""
+        return f"{self.prefix}dlq:facets"
+
+    @property
+    def dead_letter_replaying(self) -> str:
+        """Dead letters taken out of the store by a replay that has not finished yet."""
+        return f"{self.prefix}dlq:replaying"

@@ -1,0 +1,523 @@
+"""What operators do with dead letters: replay, purge, count, and how a letter is shown.
+
+The CLI (:mod:`celery_tooleffect.cli`) and the Flower page
+(:mod:`celery_tooleffect.flower`) both call :class:`DeadLetterOperations`, so
+the rules below hold wherever an operator acts.
+
+Replay
+    One audited step: the letter is taken out of the store (atomically, so of
+    two operators replaying the same task one wins), the journal of a write is
+    reset under a new attempt token (state ``replayed``, attempt 0: the task
+    has its whole attempt budget again, and any worker of an earlier attempt
+    is fenced off) in the same script that appends the ``replayed`` audit
+    event with the actor, the reason and the time; then the envelope is
+    published again to its queue with the same task id, name, arguments, run
+    id header and options (``retries`` 0). A READ_ONLY tool keeps no journal:
+    its ``replayed`` event is appended alone, and the replay is not made when
+    that event cannot be stored. When anything fails before the message is
+    published, the letter goes back to the store and the journal back to
+    ``dead_lettered``: a replay either happens, audited, or leaves things as
+    they were.
+
+    - READ_ONLY and IDEMPOTENT_WRITE may be replayed in bulk.
+    - A NON_IDEMPOTENT_WRITE is replayed only by its task id, one at a time,
+      with ``force`` and a reason. It is refused, even with ``force``, when its
+      outcome was recorded: journal ``succeeded``, or a ``late_outcome`` (on
+      the letter or in the run's audit stream).
+    - A letter whose ``body_completed`` is true (``AuditPersistenceFailed``
+      after the body succeeded) is refused with a message that says the write
+      already ran; only ``force`` with a reason overrides that.
+    - A message that could not be decoded has nothing to publish: refused.
+
+Purge
+    Removes the letter after appending a ``purged`` audit event (actor,
+    reason, time); when the event cannot be stored the letter stays. The
+    journal of a purged write keeps its state, so a stray copy of the message
+    is still acknowledged without running until the entry expires.
+
+Privacy
+    Listings (:func:`letter_summary`) follow ``tooleffect_privacy`` like the
+    audit log: at ``metadata`` they show sizes of the arguments and the error,
+    never their values. Showing one letter (:func:`letter_detail`) gives the
+    whole envelope, which a replay needs: whoever may show a letter may read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import getpass
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from .attempt import RUN_ID_HEADER
+from .audit import MASK, describe_payload, worker_identity
+from .dead_letters import (
+    DeadLetter,
+    DeadLetterQuery,
+    DeadLetterReason,
+    DeadLetterStats,
+)
+from .effect import ToolEffect
+from .errors import StoreUnavailable
+from .journal import JournalRef, JournalState
+from .runtime import ToolRuntime, runtime_for
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+#: Environment variable naming who acts, for the audit (default: user@host).
+ACTOR_ENV = "TOOLEFFECT_ACTOR"
+#: Longest operator reason kept in an audit event, in characters.
+REASON_LIMIT = 1000
+
+#: Journal states a replay starts from (``absent``: no entry, or it expired).
+REPLAYABLE_FROM = (
+    "absent",
+    JournalState.DEAD_LETTERED,
+    JournalState.DEAD_LETTERING,
+    JournalState.INTERRUPTED,
+    JournalState.REPLAYED,
+)
+
+
+def default_actor() -> str:
+    """Who acts from this process: ``$TOOLEFFECT_ACTOR``, else ``user@host``."""
+    named = os.environ.get(ACTOR_ENV, "").strip()
+    if named:
+        return named
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = f"uid{os.getuid()}"
+    return f"{user}@{socket.gethostname()}"
+
+
+class Outcome(str, enum.Enum):
+    """How one operator action on one letter ended."""
+
+    DONE = "done"
+    REFUSED = "refused"
+    NOT_FOUND = "not_found"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    """The result of replaying or purging one task."""
+
+    task_id: str
+    action: str
+    outcome: Outcome
+    message: str
+    name: str = ""
+    effect: str = ""
+    queue: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.DONE
+
+    def to_dict(self) -> dict[str, str]:
+        return {
+            "task_id": self.task_id,
+            "action": self.action,
+            "outcome": self.outcome.value,
+            "message": self.message,
+            "name": self.name,
+            "effect": self.effect,
+            "queue": self.queue,
+        }
+
+
+def letter_effect(letter: DeadLetter) -> ToolEffect:
+    """The effect of a letter's task (an unreadable one counts as NON_IDEMPOTENT_WRITE)."""
+    try:
+        return ToolEffect.coerce(letter.effect)
+    except (ValueError, TypeError):
+        return ToolEffect.NON_IDEMPOTENT_WRITE
+
+
+def _label(letter: DeadLetter) -> str:
+    return f"{letter.name or '<no task name>'}[{letter.task_id}]"
+
+
+def replay_refusal(
+    letter: DeadLetter, *, force: bool, reason: str, bulk: bool,
+    journal_state: str | None = None,
+) -> str | None:
+    """Why ``letter`` may not be replayed this way, or None when it may.
+
+    ``journal_state`` (when known) lets a caller preview the journal's verdict;
+    the replay itself checks the journal atomically.
+    """
+    label = _label(letter)
+    effect = letter_effect(letter)
+    if letter.reason == DeadLetterReason.UNDECODABLE_MESSAGE.value or not letter.name:
+        return (
+            f"{label} cannot be replayed: its message could not be read, so there is no "
+            "task to publish (the raw body is kept in the dead letter); purge it once handled"
+        )
+    if force and not reason.strip():
+        return f"{label}: a forced replay needs a reason (--reason): it is audited with why"
+    if effect is ToolEffect.NON_IDEMPOTENT_WRITE:
+        if bulk:
+            return (
+                f"{label} is a NON_IDEMPOTENT_WRITE: it is replayed only by its task id, one "
+                "at a time, with --force and a --reason; never in bulk"
+            )
+        recorded = _recorded_outcome(letter, journal_state)
+        if recorded:
+            return (
+                f"{label} is a NON_IDEMPOTENT_WRITE whose outcome was recorded ({recorded}): "
+                "the write ran, and it is not replayed"
+            )
+    if letter.body_completed and not force:
+        return (
+            f"the write already ran: {label} completed its body, but its outcome could not "
+            "be recorded (AuditPersistenceFailed). Replaying it runs the write a second "
+            "time. Only --force with a --reason overrides this."
+        )
+    if effect is ToolEffect.NON_IDEMPOTENT_WRITE and not force:
+        return (
+            f"{label} is a NON_IDEMPOTENT_WRITE ({letter.reason}): its write may already have "
+            "happened. Replay it only with --force and a --reason."
+        )
+    return None
+
+
+def _recorded_outcome(letter: DeadLetter, journal_state: str | None) -> str:
+    if journal_state == JournalState.SUCCEEDED.value:
+        return "journal: succeeded"
+    for late in letter.late_outcomes:
+        status = late.get("status") or late.get("late_phase") or "?"
+        return f"late outcome: {status}"
+    return ""
+
+
+def letter_summary(letter: DeadLetter, privacy: str) -> dict[str, Any]:
+    """One listed letter, as the stable JSON of ``dlq list`` and ``/api/dead-letters``.
+
+    Arguments and the error message follow ``privacy``: at ``metadata`` only
+    their sizes (``args_size``, ``kwargs_size``, ``error_size``).
+    """
+    summary: dict[str, Any] = {
+        "task_id": letter.task_id,
+        "name": letter.name,
+        "queue": letter.queue,
+        "reason": letter.reason,
+        "failure_class": letter.failure_class,
+        "effect": letter.effect,
+        "exception_type": letter.exception_type,
+        "attempts": letter.attempts,
+        "worker": letter.worker,
+        "run_id": letter.run_id,
+        "body_completed": letter.body_completed,
+        "late_outcomes": len(letter.late_outcomes),
+        "dead_lettered_at": letter.dead_lettered_at,
+    }
+    for name, value in describe_payload(privacy, args=letter.args, kwargs=letter.kwargs).items():
+        summary[name] = int(value) if name.endswith("_size") else value
+    if privacy == "full":
+        summary["error"] = letter.error
+    elif privacy == "redacted":
+        summary["error"] = MASK if letter.error else ""
+    else:
+        summary["error_size"] = len(letter.error.encode("utf-8", "replace"))
+    return summary
+
+
+def letter_detail(
+    letter: DeadLetter, journal: dict[str, str] | None, *, taken: bool = False
+) -> dict[str, Any]:
+    """One letter in full, as the stable JSON of ``dlq show`` and ``/api/dead-letters/<id>``.
+
+    ``replay`` previews the rules: ``allowed`` (without force), ``needs_force``
+    and the ``refusal`` a plain replay would get.
+    """
+    state = (journal or {}).get("state")
+    plain = replay_refusal(letter, force=False, reason="", bulk=False, journal_state=state)
+    forced = replay_refusal(letter, force=True, reason="why", bulk=False, journal_state=state)
+    return {
+        "dead_letter": asdict(letter),
+        "journal": journal or None,
+        "replay_in_progress": taken,
+        "replay": {
+            "allowed": plain is None,
+            "needs_force": plain is not None and forced is None,
+            "bulk": replay_refusal(letter, force=False, reason="", bulk=True,
+                                   journal_state=state) is None,
+            "refusal": plain,
+        },
+    }
+
+
+class DeadLetterOperations:
+    """Replay, purge and count the dead letters of one app (see the module docs)."""
+
+    def __init__(self, app: Celery, runtime: ToolRuntime | None = None) -> None:
+        self.app = app
+        self.runtime = runtime or runtime_for(app)
+
+    @property
+    def privacy(self) -> str:
+        return self.runtime.settings.privacy
+
+    # -- reading -----------------------------------------------------------------
+
+    def stats(self) -> DeadLetterStats:
+        return self.runtime.dead_letters.stats()
+
+    def detail(self, task_id: str) -> dict[str, Any] | None:
+        """:func:`letter_detail` of ``task_id``'s letter (or of one being replayed), or None."""
+        letters = self.runtime.dead_letters
+        letter = letters.get(task_id)
+        taken = False
+        if letter is None:
+            letter = letters.taken(task_id)
+            taken = letter is not None
+        if letter is None:
+            return None
+        return letter_detail(letter, self._journal(letter), taken=taken)
+
+    def _journal(self, letter: DeadLetter) -> dict[str, str] | None:
+        if not letter_effect(letter).is_write:
+            return None
+        try:
+            return self.runtime.journal.read(JournalRef(_run_id(letter), letter.task_id)) or None
+        except StoreUnavailable:
+            return None
+
+    # -- replay ------------------------------------------------------------------
+
+    def replay(
+        self, task_id: str, *, actor: str, reason: str = "", force: bool = False,
+        bulk: bool = False, via: str = "cli",
+    ) -> ActionResult:
+        """Replay one dead letter under the rules of the module docs."""
+        letters = self.runtime.dead_letters
+        try:
+            letter = letters.get(task_id)
+            if letter is None:
+                unfinished = letters.taken(task_id)
+                if unfinished is None:
+                    return ActionResult(task_id, "replay", Outcome.NOT_FOUND,
+                                        f"{task_id}: no such dead letter")
+                # A replay or purge that stopped half-way: its letter goes back
+                # first. Publishing a task id twice is safe for writes (the
+                # journal runs it once) and allowed for reads.
+                letters.put_back(unfinished)
+                letter = letters.get(task_id) or unfinished
+            refusal = replay_refusal(letter, force=force, reason=reason, bulk=bulk)
+            if refusal:
+                return self._result(letter, "replay", Outcome.REFUSED, refusal)
+            taken = letters.take(task_id)
+            if taken is None:
+                return self._result(letter, "replay", Outcome.NOT_FOUND,
+                                    f"{_label(letter)} was replayed or purged meanwhile")
+            return self._replay_taken(taken, actor=actor, reason=reason, force=force,
+                                      bulk=bulk, via=via)
+        except StoreUnavailable as exc:
+            return ActionResult(task_id, "replay", Outcome.FAILED,
+                                f"{task_id}: not replayed: {exc}")
+
+    def _replay_taken(
+        self, letter: DeadLetter, *, actor: str, reason: str, force: bool, bulk: bool, via: str,
+    ) -> ActionResult:
+        runtime = self.runtime
+        letters = runtime.dead_letters
+        # The letter may have changed since it was read (a late outcome).
+        refusal = replay_refusal(letter, force=force, reason=reason, bulk=bulk)
+        if refusal:
+            letters.put_back(letter)
+            return self._result(letter, "replay", Outcome.REFUSED, refusal)
+        effect = letter_effect(letter)
+        ref = JournalRef(_run_id(letter), letter.task_id)
+        token = uuid.uuid4().hex
+        event = self._event(letter, "replayed", "requested", actor=actor, reason=reason,
+                            force=force, via=via)
+        try:
+            if effect.is_write:
+                allowed: list[JournalState | str] = list(REPLAYABLE_FROM)
+                if effect is ToolEffect.IDEMPOTENT_WRITE:
+                    allowed.append(JournalState.SUCCEEDED)
+                answer = runtime.journal.replay(
+                    ref, token=token, effect=effect.value, allowed=allowed, event=event,
+                    refuse_late_outcome=effect is ToolEffect.NON_IDEMPOTENT_WRITE,
+                    lapsed_running_ok=force or effect is not ToolEffect.NON_IDEMPOTENT_WRITE,
+                )
+                if not answer:
+                    letters.put_back(letter)
+                    return self._result(letter, "replay", Outcome.REFUSED,
+                                        _journal_refusal(letter, answer.previous_state,
+                                                         answer.detail))
+            elif not runtime.audit.record_step(event):
+                letters.put_back(letter)
+                return self._result(letter, "replay", Outcome.FAILED,
+                                    f"{_label(letter)} not replayed: its audit event could "
+                                    "not be stored")
+        except StoreUnavailable as exc:
+            letters.put_back(letter)
+            return self._result(letter, "replay", Outcome.FAILED,
+                                f"{_label(letter)} not replayed: {exc}")
+
+        try:
+            publish(self.app, letter)
+        except Exception as exc:
+            failed = dict(event, phase="replay_failed", status="not_published",
+                          exception_type=type(exc).__qualname__)
+            if effect.is_write:
+                # Best effort: were it left 'replayed', no message would come anyway.
+                with contextlib.suppress(StoreUnavailable):
+                    runtime.journal.transition(
+                        ref, new_state=JournalState.DEAD_LETTERED,
+                        allowed=[JournalState.REPLAYED], token=token, event=failed,
+                        record_late=False,
+                    )
+            else:
+                runtime.audit.record_step(failed)
+            letters.put_back(letter)
+            return self._result(letter, "replay", Outcome.FAILED,
+                                f"{_label(letter)} not published ({type(exc).__name__}: "
+                                f"{exc}); the dead letter is kept")
+        with contextlib.suppress(StoreUnavailable):  # published: the copy aside is a record
+            letters.forget_taken(letter.task_id)
+        return self._result(
+            letter, "replay", Outcome.DONE,
+            f"replayed {_label(letter)} ({letter.effect}) to queue {letter.queue}",
+        )
+
+    def replay_matching(
+        self, query: DeadLetterQuery, *, actor: str, reason: str = "", via: str = "cli",
+    ) -> Iterator[ActionResult]:
+        """Replay, in bulk, every letter matching ``query`` (writes that are not idempotent
+        are refused, one result each)."""
+        for batch in self.runtime.dead_letters.matching_ids(query):
+            for task_id in batch:
+                yield self.replay(task_id, actor=actor, reason=reason, bulk=True, via=via)
+
+    # -- purge -------------------------------------------------------------------
+
+    def purge(
+        self, task_id: str, *, actor: str, reason: str = "", via: str = "cli",
+    ) -> ActionResult:
+        """Remove one dead letter, audited; the letter stays when its event cannot be stored."""
+        letters = self.runtime.dead_letters
+        try:
+            letter = letters.take(task_id)
+            if letter is None:
+                return ActionResult(task_id, "purge", Outcome.NOT_FOUND,
+                                    f"{task_id}: no such dead letter")
+            event = self._event(letter, "purged", "removed", actor=actor, reason=reason,
+                                force=False, via=via)
+            if not self.runtime.audit.record_step(event):
+                letters.put_back(letter)
+                return self._result(letter, "purge", Outcome.FAILED,
+                                    f"{_label(letter)} not purged: its audit event could not "
+                                    "be stored")
+            letters.forget_taken(task_id)
+        except StoreUnavailable as exc:
+            return ActionResult(task_id, "purge", Outcome.FAILED, f"{task_id}: not purged: {exc}")
+        return self._result(letter, "purge", Outcome.DONE, f"purged {_label(letter)}")
+
+    def purge_matching(
+        self, query: DeadLetterQuery, *, older_than: float, actor: str, reason: str = "",
+        via: str = "cli",
+    ) -> Iterator[ActionResult]:
+        """Purge every letter matching ``query`` stored more than ``older_than`` seconds ago."""
+        cutoff = time.time() - max(older_than, 0.0)
+        for batch in self.runtime.dead_letters.matching_ids(query, older_than=cutoff):
+            for task_id in batch:
+                yield self.purge(task_id, actor=actor, reason=reason, via=via)
+
+    def count_matching(self, query: DeadLetterQuery, *, older_than: float | None = None) -> int:
+        """How many letters a bulk action on ``query`` would touch (walks only the matches)."""
+        cutoff = None if older_than is None else time.time() - max(older_than, 0.0)
+        return sum(len(batch) for batch in
+                   self.runtime.dead_letters.matching_ids(query, older_than=cutoff))
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _event(
+        self, letter: DeadLetter, phase: str, status: str, *, actor: str, reason: str,
+        force: bool, via: str,
+    ) -> dict[str, str]:
+        return {
+            "run_id": _run_id(letter),
+            "task_id": letter.task_id,
+            "tool": letter.name,
+            "effect": letter.effect,
+            "phase": phase,
+            "status": status,
+            "queue": letter.queue,
+            "worker": worker_identity(),
+            "redelivered": "0",
+            "actor": actor,
+            "reason": reason.strip()[:REASON_LIMIT],
+            "forced": "1" if force else "0",
+            "via": via,
+            "dead_letter_reason": letter.reason,
+            "failure_class": letter.failure_class,
+            "ts": f"{time.time():.6f}",
+        }
+
+    @staticmethod
+    def _result(letter: DeadLetter, action: str, outcome: Outcome, message: str) -> ActionResult:
+        return ActionResult(letter.task_id, action, outcome, message, letter.name,
+                            letter.effect, letter.queue)
+
+
+def _journal_refusal(letter: DeadLetter, state: str, detail: str) -> str:
+    label = _label(letter)
+    if state == "late_outcome":
+        return (f"{label} is a NON_IDEMPOTENT_WRITE whose outcome was recorded (late outcome: "
+                f"{detail or '?'}): the write ran, and it is not replayed")
+    if state == JournalState.SUCCEEDED.value:
+        return (f"{label} is a NON_IDEMPOTENT_WRITE whose outcome was recorded (journal: "
+                "succeeded): the write ran, and it is not replayed")
+    if state == JournalState.RUNNING.value:
+        return f"{label}: an attempt of it is running now (journal: running); not replayed"
+    return f"{label}: its journal is in state {state!r}, not a dead letter's; not replayed"
+
+
+def _run_id(letter: DeadLetter) -> str:
+    return str(letter.run_id or letter.headers.get(RUN_ID_HEADER) or letter.task_id)
+
+
+def publish(app: Celery, letter: DeadLetter) -> None:
+    """Publish ``letter``'s task again: same id, name, arguments, run id and options.
+
+    ``retries`` is 0: a replayed task has its whole retry budget again.
+    """
+    options = letter.options
+    extra: dict[str, Any] = {}
+    for name in ("root_id", "parent_id", "priority"):
+        if options.get(name) is not None:
+            extra[name] = options[name]
+    app.send_task(
+        letter.name,
+        args=list(letter.args),
+        kwargs=dict(letter.kwargs),
+        task_id=letter.task_id,
+        queue=letter.queue,
+        headers={RUN_ID_HEADER: _run_id(letter)},
+        retries=0,
+        **extra,
+    )
+
+
+def results_summary(results: Iterable[ActionResult]) -> dict[str, Any]:
+    """The stable JSON of ``dlq replay --json`` and ``dlq purge --json``."""
+    listed = [result.to_dict() for result in results]
+    counts = {outcome.value: 0 for outcome in Outcome}
+    for result in listed:
+        counts[result["outcome"]] += 1
+    return {"results": listed, **counts}

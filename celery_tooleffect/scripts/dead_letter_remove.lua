@@ -1,0 +1,29 @@
+-- Take one dead letter out of the store, atomically, if it is still the one
+-- the caller read: delete it (purge) or move it aside while it is replayed.
+--
+-- KEYS[1] the queue's envelopes hash   KEYS[2] task id -> queue hash
+-- KEYS[3] replays in progress hash     KEYS[4..] every index that lists it
+-- ARGV[1] task id   ARGV[2] the envelope as read (JSON)
+-- ARGV[3] 'move' (to KEYS[3]) or 'delete'   ARGV[4] the letter's queue
+--
+-- Returns 1 when taken; 0 when the letter is gone or changed since it was
+-- read (another operator took it, or a late outcome was copied onto it).
+
+local envelopes, where, replaying = KEYS[1], KEYS[2], KEYS[3]
+local task_id, expected, mode, queue = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+
+local current = redis.call('HGET', envelopes, task_id)
+if current ~= expected then
+  return 0
+end
+redis.call('HDEL', envelopes, task_id)
+for i = 4, #KEYS do
+  redis.call('ZREM', KEYS[i], task_id)
+end
+if redis.call('HGET', where, task_id) == queue then
+  redis.call('HDEL', where, task_id)
+end
+if mode == 'move' then
+  redis.call('HSET', replaying, task_id, current)
+end
+return 1
