@@ -1,0 +1,220 @@
+"""The crash test: real workers, real SIGKILLs, and the at-most-once promise.
+
+Two ``celery worker`` processes (prefork) consume a mix of READ_ONLY,
+IDEMPOTENT_WRITE and NON_IDEMPOTENT_WRITE tool calls whose bodies take random
+time and count their executions in Redis, on a Redis broker with a short
+visibility timeout. Meanwhile whole workers and single pool children are
+killed with SIGKILL at random moments and workers are restarted. At the end:
+
+- every submitted task is in exactly one final place (succeeded, or a dead letter);
+- no NON_IDEMPOTENT_WRITE body started twice;
+- every interrupted NON_IDEMPOTENT_WRITE is a dead letter with reason interrupted_write;
+- every write that ran has its intent event;
+- no message was lost.
+
+It prints one summary line. Short form (run by the test suite)::
+
+    python -m chaos.crash_test --kills 10 --tasks 60
+
+Long form, by hand::
+
+    python -m chaos.crash_test --kills 200 --tasks 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from celery_tooleffect import AuditLog, DeadLetters
+from tests.conftest import REDIS_URL, app_config, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = {
+    "tools.read": "read_only",
+    "tools.idempotent": "idempotent_write",
+    "tools.write": "non_idempotent_write",
+    "tools.write_deadline": "non_idempotent_write",
+}
+
+
+@dataclass
+class Worker:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def children(self) -> list[int]:
+        try:
+            text = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text()
+        except OSError:
+            return []
+        return [int(pid) for pid in text.split()]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+@dataclass
+class Summary:
+    tasks: int = 0
+    kills: int = 0
+    child_kills: int = 0
+    executions: Counter[str] = field(default_factory=Counter)
+    duplicates: int = 0
+    lost: int = 0
+    dead_letters: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        execs = " ".join(f"{effect}={n}" for effect, n in sorted(self.executions.items()))
+        letters = " ".join(f"{reason}={n}" for reason, n in sorted(self.dead_letters.items()))
+        return (
+            f"crash test: tasks={self.tasks} kills={self.kills} "
+            f"(whole workers={self.kills - self.child_kills}, pool children={self.child_kills}) "
+            f"executions[{execs}] duplicate_non_idempotent={self.duplicates} "
+            f"lost={self.lost} dead_letters={sum(self.dead_letters.values())}[{letters}] "
+            f"problems={len(self.problems)}"
+        )
+
+
+def spawn(prefix: str, logdir: Path, index: int, visibility_timeout: float) -> Worker:
+    log = logdir / f"worker-{index}.log"
+    env = dict(os.environ, TE_PREFIX=prefix, TE_BROKER=REDIS_URL, TE_VT=str(visibility_timeout),
+               TE_MAX_RETRIES="5", PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.tool_app", "worker", "--pool",
+         "prefork", "--concurrency", "2", "--loglevel", "INFO", "--without-gossip",
+         "--without-mingle", "--without-heartbeat", "-Q", "tools",
+         "-n", f"crash{index}-{uuid.uuid4().hex[:6]}@%h"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+        start_new_session=True,
+    )
+    worker = Worker(process, log)
+    wait_for(lambda: "ready" in log.read_text(errors="replace") or process.poll() is not None,
+             timeout=60, what="a worker to start")
+    return worker
+
+
+def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
+        settle_timeout: float = 240.0) -> Summary:
+    rng = random.Random(seed)
+    prefix = f"crash:{uuid.uuid4().hex[:10]}:"
+    client = redis.Redis.from_url(REDIS_URL)
+    app = Celery("crash-producer", set_as_current=False)
+    app.conf.update(app_config(prefix, broker_transport_options={
+        "global_keyprefix": prefix, "visibility_timeout": visibility_timeout}))
+    logdir = Path(tempfile.mkdtemp(prefix="tooleffect-crash-"))
+    summary = Summary(tasks=tasks)
+    workers = [spawn(prefix, logdir, i, visibility_timeout) for i in range(2)]
+    spawned = 2
+    submitted: dict[str, tuple[str, str]] = {}  # task id -> (tool, key)
+    try:
+        names = list(TOOLS)
+        for _ in range(tasks):
+            name = rng.choice(names)
+            key = uuid.uuid4().hex[:10]
+            hold = rng.uniform(0.05, 2.5)
+            result = app.send_task(name, args=[key, hold], queue="tools")
+            submitted[result.id] = (name, key)
+
+        for _ in range(kills):
+            time.sleep(rng.uniform(0.2, 1.2))
+            index = rng.randrange(len(workers))
+            worker = workers[index]
+            children = worker.children()
+            if children and rng.random() < 0.6:
+                os.kill(rng.choice(children), signal.SIGKILL)
+                summary.child_kills += 1
+            else:
+                worker.kill()
+                workers[index] = spawn(prefix, logdir, spawned, visibility_timeout)
+                spawned += 1
+            summary.kills += 1
+
+        dead_letters = DeadLetters(app)
+
+        def final(task_id: str) -> bool:
+            return (app.AsyncResult(task_id).state == "SUCCESS"
+                    or dead_letters.get(task_id) is not None)
+
+        deadline = time.monotonic() + settle_timeout
+        pending = set(submitted)
+        while pending and time.monotonic() < deadline:
+            pending = {task_id for task_id in pending if not final(task_id)}
+            if pending:
+                time.sleep(0.5)
+        summary.lost = len(pending)
+        for task_id in pending:
+            summary.problems.append(f"not final: {submitted[task_id]} {task_id}")
+        check(app, client, prefix, submitted, summary)
+    finally:
+        for worker in workers:
+            worker.kill()
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        for start in range(0, len(keys), 500):
+            client.delete(*keys[start:start + 500])
+    if summary.problems:
+        print(f"worker logs: {logdir}", file=sys.stderr)
+    return summary
+
+
+def check(app: Celery, client: redis.Redis, prefix: str,
+          submitted: dict[str, tuple[str, str]], summary: Summary) -> None:
+    audit = AuditLog(app)
+    dead_letters = DeadLetters(app)
+    for task_id, (name, key) in submitted.items():
+        effect = TOOLS[name]
+        runs = int(client.get(f"{prefix}count:{key}") or 0)
+        summary.executions[effect] += runs
+        letter = dead_letters.get(task_id)
+        succeeded = app.AsyncResult(task_id).state == "SUCCESS"
+        if letter is not None:
+            summary.dead_letters[letter.reason] += 1
+        if succeeded and letter is not None:
+            summary.problems.append(f"both succeeded and dead-lettered: {name} {task_id}")
+        events = audit.events(task_id)
+        phases = [event["phase"] for event in events]
+        if effect == "non_idempotent_write":
+            if runs > 1:
+                summary.duplicates += 1
+                summary.problems.append(f"{name} {task_id} ran {runs} times")
+            if "interrupted" in phases and (letter is None
+                                            or letter.reason != "interrupted_write"):
+                summary.problems.append(f"interrupted but not dead-lettered: {name} {task_id}")
+        if effect != "read_only" and runs and phases.count("intent") < runs:
+            summary.problems.append(
+                f"{name} {task_id} ran {runs} times with {phases.count('intent')} intents"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--tasks", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--visibility-timeout", type=float, default=3.0)
+    args = parser.parse_args(argv)
+    summary = run(args.kills, args.tasks, args.seed, args.visibility_timeout)
+    print(summary.line() + f" seed={args.seed}")
+    for problem in summary.problems[:20]:
+        print("  " + problem)
+    return 1 if summary.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
