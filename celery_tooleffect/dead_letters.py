@@ -387,10 +387,17 @@ class DeadLetters:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
 
-    def taken(self, task_id: str) -> DeadLetter | None:
-        """The letter of ``task_id`` taken by a replay or purge that has not finished, if any."""
-        raw = self.client.hget(self.keys.dead_letter_replaying, task_id)
-        return DeadLetter.from_json(raw) if raw is not None else None
+    def taken(self, task_id: str) -> tuple[DeadLetter, float] | None:
+        """The letter of ``task_id`` taken by a replay or purge not finished, and when."""
+        raw: Any = self.client.hget(self.keys.dead_letter_replaying, task_id)
+        if raw is None:
+            return None
+        stamp, _, envelope = bytes(raw).partition(b"\n")
+        try:
+            taken_at = float(stamp)
+        except ValueError:
+            taken_at, envelope = 0.0, bytes(raw)
+        return DeadLetter.from_json(envelope), taken_at
 
     def _remove(self, task_id: str, mode: str) -> DeadLetter | None:
         for _ in range(10):  # the letter changes only when a late outcome is copied onto it
@@ -411,7 +418,7 @@ class DeadLetters:
                         self.keys.dead_letter_index(queue),
                         *self.shared_index_keys(letter),
                     ],
-                    [task_id, raw, mode, queue],
+                    [task_id, raw, mode, queue, repr(time.time())],
                 )
             except redis.RedisError as exc:
                 raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc

@@ -76,6 +76,10 @@ ACTOR_ENV = "TOOLEFFECT_ACTOR"
 #: Longest operator reason kept in an audit event, in characters.
 REASON_LIMIT = 1000
 
+#: Seconds after which a letter taken by a replay or purge that never finished
+#: is taken to be abandoned (its process died), so a new replay may resume it.
+ABANDONED_AFTER = 120.0
+
 #: Journal states a replay starts from (``absent``: no entry, or it expired).
 REPLAYABLE_FROM = (
     "absent",
@@ -282,10 +286,10 @@ class DeadLetterOperations:
         letter = letters.get(task_id)
         taken = False
         if letter is None:
-            letter = letters.taken(task_id)
-            taken = letter is not None
-        if letter is None:
-            return None
+            unfinished = letters.taken(task_id)
+            if unfinished is None:
+                return None
+            letter, taken = unfinished[0], True
         return letter_detail(letter, self._journal(letter), taken=taken)
 
     def _journal(self, letter: DeadLetter) -> dict[str, str] | None:
@@ -311,11 +315,17 @@ class DeadLetterOperations:
                 if unfinished is None:
                     return ActionResult(task_id, "replay", Outcome.NOT_FOUND,
                                         f"{task_id}: no such dead letter")
+                letter, taken_at = unfinished
+                age = time.time() - taken_at
+                if age < ABANDONED_AFTER:
+                    return self._result(letter, "replay", Outcome.REFUSED,
+                                        f"{_label(letter)}: a replay or purge of it is in "
+                                        f"progress (began {age:.0f}s ago)")
                 # A replay or purge that stopped half-way: its letter goes back
                 # first. Publishing a task id twice is safe for writes (the
                 # journal runs it once) and allowed for reads.
-                letters.put_back(unfinished)
-                letter = letters.get(task_id) or unfinished
+                letters.put_back(letter)
+                letter = letters.get(task_id) or letter
             refusal = replay_refusal(letter, force=force, reason=reason, bulk=bulk)
             if refusal:
                 return self._result(letter, "replay", Outcome.REFUSED, refusal)

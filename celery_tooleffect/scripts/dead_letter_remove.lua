@@ -5,6 +5,7 @@
 -- KEYS[3] replays in progress hash     KEYS[4..] every index that lists it
 -- ARGV[1] task id   ARGV[2] the envelope as read (JSON)
 -- ARGV[3] 'move' (to KEYS[3]) or 'delete'   ARGV[4] the letter's queue
+-- ARGV[5] now (unix seconds): a moved letter is kept as '<now>\n<envelope>'
 --
 -- Returns 1 when taken; 0 when the letter is gone or changed since it was
 -- read (another operator took it, or a late outcome was copied onto it).
@@ -24,6 +25,6 @@ if redis.call('HGET', where, task_id) == queue then
   redis.call('HDEL', where, task_id)
 end
 if mode == 'move' then
-  redis.call('HSET', replaying, task_id, current)
+  redis.call('HSET', replaying, task_id, ARGV[5] .. '\n' .. current)
 end
 return 1

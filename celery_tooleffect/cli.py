@@ -1,0 +1,610 @@
+"""The operator's command line: ``celery -A app tooleffect ...``, ``celery-tooleffect -A app ...``.
+
+The same click group is installed twice: as a Celery sub-command (entry point
+group ``celery.commands``, name ``tooleffect``), which gets the app from
+Celery's own ``-A``, and as the console script ``celery-tooleffect``, which
+takes ``-A/--app`` itself. Commands::
+
+    dlq list [--queue Q] [--reason R] [--failure-class C] [--effect E] [--limit N]
+             [--cursor C] [--json]
+    dlq show TASK_ID [--json]
+    dlq replay TASK_ID... | --all [filters]   [--force] [--reason TEXT] [--json]
+    dlq purge TASK_ID... | --all --older-than DURATION [filters]  [--yes] [--reason TEXT]
+    dlq stats [--json]
+    audit show RUN_ID [--json]
+    audit tail [--count N] [--follow] [--json]
+    flower [flower options]
+
+Exit codes: 0 done; 1 refused, not found, or the store could not be reached;
+2 usage error (click's own). Human output is an aligned table no wider than
+the terminal; ``--json`` output is stable and documented in the README. Who
+acts is ``$TOOLEFFECT_ACTOR``, else ``user@host``; it is written in the audit
+event of every replay and purge.
+
+This module is imported by every ``celery`` command (through the entry
+point), so it imports the rest of the package only when a command runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from .dead_letters import DeadLetter, DeadLetterQuery
+    from .operations import ActionResult, DeadLetterOperations
+
+EXIT_REFUSED = 1
+
+_REASONS = (
+    "not_retryable", "retries_exhausted", "interrupted_write", "unknown_task",
+    "undecodable_message", "malformed_message",
+)
+_CLASSES = (
+    "connection", "rate_limit", "auth", "configuration", "client_error", "server_error",
+    "circuit_open", "unknown",
+)
+_EFFECTS = ("read_only", "idempotent_write", "non_idempotent_write")
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(value: str) -> float:
+    """``90``, ``90s``, ``15m``, ``2h``, ``7d`` or ``1w`` as seconds."""
+    match = _DURATION.match(value)
+    if not match:
+        raise ValueError(f"not a duration: {value!r} (use e.g. 90s, 15m, 2h, 7d, 1w)")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """A click parameter: a duration such as ``15m`` or ``7d``, in seconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+# -- context -------------------------------------------------------------------------
+
+
+def _app(ctx: click.Context) -> Celery:
+    obj = ctx.find_root().obj
+    app = getattr(obj, "app", None)
+    if app is None:
+        raise click.UsageError("no Celery app: pass -A/--app")
+    return app
+
+
+def _operations(ctx: click.Context) -> DeadLetterOperations:
+    from .operations import DeadLetterOperations
+
+    return DeadLetterOperations(_app(ctx))
+
+
+def _fail(message: str) -> NoReturn:
+    click.echo(message, err=True)
+    sys.exit(EXIT_REFUSED)
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False, default=str))
+
+
+def _when(timestamp: float | str | None) -> str:
+    try:
+        moment = datetime.fromtimestamp(float(timestamp or 0), tz=timezone.utc)
+    except (TypeError, ValueError):
+        return str(timestamp or "")
+    return moment.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _store_errors() -> tuple[type[BaseException], ...]:
+    import redis
+
+    from .errors import StoreUnavailable
+
+    return (StoreUnavailable, redis.RedisError)
+
+
+# -- the group ---------------------------------------------------------------------
+
+
+@click.group(name="tooleffect")
+def tooleffect() -> None:
+    """celery-tooleffect: dead letters, audit trails, and Flower with a Dead letters page."""
+
+
+@tooleffect.group()
+def dlq() -> None:
+    """Dead letters: list, show, replay, purge, stats."""
+
+
+def _filters(command: Any) -> Any:
+    for option in reversed(
+        [
+            click.option("--queue", "-Q", metavar="QUEUE", help="Only this queue."),
+            click.option("--failure-class", "-c", type=click.Choice(_CLASSES),
+                         help="Only this failure class."),
+            click.option("--effect", "-e", type=click.Choice(_EFFECTS),
+                         help="Only this effect."),
+        ]
+    ):
+        command = option(command)
+    return command
+
+
+def _query(queue: str | None, reason: str | None, failure_class: str | None,
+           effect: str | None) -> DeadLetterQuery:
+    from .dead_letters import DeadLetterQuery
+
+    return DeadLetterQuery(queue=queue or None, reason=reason or None,
+                           failure_class=failure_class or None, effect=effect or None)
+
+
+@dlq.command("list")
+@_filters
+@click.option("--reason", "-r", type=click.Choice(_REASONS), help="Only this dead-letter reason.")
+@click.option("--limit", "-n", type=click.IntRange(1, 1000), default=50, show_default=True,
+              help="How many to show.")
+@click.option("--cursor", metavar="CURSOR",
+              help="Start after this cursor (the next_cursor of an earlier page).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.pass_context
+def dlq_list(ctx: click.Context, queue: str | None, failure_class: str | None,
+             effect: str | None, reason: str | None, limit: int, cursor: str | None,
+             as_json: bool) -> None:
+    """List dead letters, newest first, one page at a time (no full scan)."""
+    from .dead_letters import Cursor
+    from .operations import letter_summary
+
+    operations = _operations(ctx)
+    try:
+        before = Cursor.decode(cursor) if cursor else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--cursor") from None
+    try:
+        page = operations.runtime.dead_letters.page(
+            _query(queue, reason, failure_class, effect), limit=limit, before=before
+        )
+    except _store_errors() as exc:
+        _fail(f"dead letters unavailable: {exc}")
+    privacy = operations.privacy
+    next_cursor = page.next_cursor.encode() if page.next_cursor else None
+    if as_json:
+        _echo_json({
+            "dead_letters": [letter_summary(letter, privacy) for letter in page.letters],
+            "next_cursor": next_cursor,
+            "total": page.total,
+        })
+        return
+    if not page.letters:
+        click.echo("No dead letters match.")
+        return
+    from .table import render
+
+    click.echo(render(
+        ["TASK ID", "STORED (UTC)", "QUEUE", "TOOL", "EFFECT", "REASON", "CLASS", "TRY",
+         "EXCEPTION"],
+        [[letter.task_id, _when(letter.dead_lettered_at), letter.queue,
+          letter.name or "-", letter.effect, letter.reason, letter.failure_class,
+          str(letter.attempts), _exception(letter)]
+         for letter in page.letters],
+        shrink=["EXCEPTION", "TOOL", "QUEUE", "REASON", "EFFECT", "CLASS"],
+        optional=["EXCEPTION", "TRY", "CLASS", "QUEUE", "STORED (UTC)", "REASON"],
+    ))
+    shown = f"{len(page.letters)} shown"
+    if page.total is not None:
+        shown += f" of {page.total}"
+    click.echo(shown + (f"; next page: --cursor {next_cursor}" if next_cursor else ""))
+
+
+def _exception(letter: DeadLetter) -> str:
+    marks = []
+    if letter.body_completed:
+        marks.append("body completed")
+    if letter.late_outcomes:
+        marks.append("late outcome")
+    text = letter.exception_type or "-"
+    return f"{text} ({', '.join(marks)})" if marks else text
+
+
+@dlq.command("show")
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.pass_context
+def dlq_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Show one dead letter in full: envelope, journal, and whether it may be replayed."""
+    operations = _operations(ctx)
+    try:
+        detail = operations.detail(task_id)
+    except _store_errors() as exc:
+        _fail(f"dead letters unavailable: {exc}")
+    if detail is None:
+        _fail(f"{task_id}: no such dead letter")
+    if as_json:
+        _echo_json(detail)
+        return
+    from .table import key_values, terminal_width
+
+    letter = detail["dead_letter"]
+    replay = detail["replay"]
+    width = terminal_width()
+    if replay["allowed"]:
+        verdict = "yes" + ("" if replay["bulk"] else " (by task id only)")
+    elif replay["needs_force"]:
+        verdict = "only with --force and a --reason"
+    else:
+        verdict = "no"
+    pairs = [
+        ("task id", letter["task_id"]),
+        ("tool", letter["name"] or "-"),
+        ("queue", letter["queue"]),
+        ("effect", letter["effect"]),
+        ("reason", letter["reason"]),
+        ("failure class", letter["failure_class"]),
+        ("exception", letter["exception_type"] or "-"),
+        ("attempts", str(letter["attempts"])),
+        ("body completed", "yes: the write already ran" if letter["body_completed"] else "no"),
+        ("late outcomes", str(len(letter["late_outcomes"]))),
+        ("run id", letter["run_id"]),
+        ("worker", letter["worker"] or "-"),
+        ("stored", _when(letter["dead_lettered_at"])),
+        ("journal", _journal_line(detail["journal"])),
+        ("replayable", verdict),
+    ]
+    if detail["replay_in_progress"]:
+        pairs.append(("note", "a replay or purge of it began and did not finish"))
+    click.echo(key_values(pairs, width=width))
+    if replay["refusal"]:
+        click.echo("\n" + textwrap.fill(replay["refusal"], width=width))
+    for title, value in (("error", letter["error"]), ("args", letter["args"]),
+                         ("kwargs", letter["kwargs"]), ("options", letter["options"]),
+                         ("raw body", letter.get("raw_body"))):
+        if value in (None, "", [], {}):
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                               default=str)
+        click.echo(f"\n{title}:")
+        click.echo(textwrap.fill(text, width=width, initial_indent="  ",
+                                 subsequent_indent="  ", break_long_words=True))
+
+
+def _journal_line(journal: Mapping[str, str] | None) -> str:
+    if not journal:
+        return "-"
+    parts = [journal.get("state", "?")]
+    for name in ("attempt", "replays"):
+        if journal.get(name):
+            parts.append(f"{name}={journal[name]}")
+    return " ".join(parts)
+
+
+@dlq.command("replay")
+@click.argument("task_ids", nargs=-1)
+@click.option("--all", "replay_all", is_flag=True,
+              help="Every dead letter matching the filters (READ_ONLY and IDEMPOTENT_WRITE "
+                   "only; non-idempotent writes are refused).")
+@_filters
+@click.option("--dead-letter-reason", type=click.Choice(_REASONS),
+              help="With --all: only this dead-letter reason.")
+@click.option("--force", is_flag=True,
+              help="Replay one NON_IDEMPOTENT_WRITE, or a write whose body completed "
+                   "(needs --reason).")
+@click.option("--reason", "why", default="", help="Why: written in the audit event.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.pass_context
+def dlq_replay(ctx: click.Context, task_ids: tuple[str, ...], replay_all: bool,
+               queue: str | None, failure_class: str | None, effect: str | None,
+               dead_letter_reason: str | None, force: bool, why: str, as_json: bool) -> None:
+    """Replay dead letters: reset the journal and publish each task again (same task id)."""
+    if replay_all and task_ids:
+        raise click.UsageError("give task ids or --all, not both")
+    if not replay_all and not task_ids:
+        raise click.UsageError("give at least one task id, or --all")
+    if not replay_all and (queue or failure_class or effect or dead_letter_reason):
+        raise click.UsageError("filters go with --all")
+    if force and (replay_all or len(task_ids) > 1):
+        raise click.UsageError("--force replays one task id at a time")
+    if force and not why.strip():
+        raise click.UsageError("--force needs --reason: a forced replay is audited with why")
+    from .operations import default_actor
+
+    operations = _operations(ctx)
+    actor = default_actor()
+    if replay_all:
+        results: Iterable[ActionResult] = operations.replay_matching(
+            _query(queue, dead_letter_reason, failure_class, effect), actor=actor, reason=why
+        )
+    else:
+        results = (operations.replay(task_id, actor=actor, reason=why, force=force)
+                   for task_id in task_ids)
+    _report(results, as_json, "replayed")
+
+
+@dlq.command("purge")
+@click.argument("task_ids", nargs=-1)
+@click.option("--all", "purge_all", is_flag=True,
+              help="Every dead letter matching the filters and --older-than.")
+@click.option("--older-than", type=Duration(), metavar="DURATION",
+              help="With --all: stored longer ago than this (90s, 15m, 2h, 7d, 1w).")
+@_filters
+@click.option("--dead-letter-reason", type=click.Choice(_REASONS),
+              help="With --all: only this dead-letter reason.")
+@click.option("--reason", "why", default="", help="Why: written in the audit event.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.pass_context
+def dlq_purge(ctx: click.Context, task_ids: tuple[str, ...], purge_all: bool,
+              older_than: float | None, queue: str | None, failure_class: str | None,
+              effect: str | None, dead_letter_reason: str | None, why: str, yes: bool,
+              as_json: bool) -> None:
+    """Delete dead letters for good (audited). Asks first unless --yes."""
+    if purge_all and task_ids:
+        raise click.UsageError("give task ids or --all, not both")
+    if not purge_all and not task_ids:
+        raise click.UsageError("give at least one task id, or --all --older-than DURATION")
+    if purge_all and older_than is None:
+        raise click.UsageError("--all needs --older-than DURATION (use 0s for every age)")
+    if not purge_all and (older_than is not None or queue or failure_class or effect
+                          or dead_letter_reason):
+        raise click.UsageError("--older-than and filters go with --all")
+    from .operations import default_actor
+
+    operations = _operations(ctx)
+    actor = default_actor()
+    if purge_all:
+        assert older_than is not None
+        query = _query(queue, dead_letter_reason, failure_class, effect)
+        try:
+            count = operations.count_matching(query, older_than=older_than)
+        except _store_errors() as exc:
+            _fail(f"dead letters unavailable: {exc}")
+        if count == 0:
+            if as_json:
+                _report([], True, "purged")
+            else:
+                click.echo("No dead letters match.")
+            return
+        _confirm(f"Purge {count} dead letter(s) for good?", yes)
+        results: Iterable[ActionResult] = operations.purge_matching(
+            query, older_than=older_than, actor=actor, reason=why
+        )
+    else:
+        _confirm(f"Purge {len(task_ids)} dead letter(s) for good?", yes)
+        results = (operations.purge(task_id, actor=actor, reason=why) for task_id in task_ids)
+    _report(results, as_json, "purged")
+
+
+def _confirm(question: str, yes: bool) -> None:
+    if yes:
+        return
+    if not sys.stdin or not sys.stdin.isatty():
+        _fail(f"{question} Not confirmed (no terminal): pass --yes.")
+    if not click.confirm(question, default=False):
+        _fail("Not confirmed: nothing purged.")
+
+
+def _report(results: Iterable[ActionResult], as_json: bool, done_word: str) -> None:
+    from .operations import Outcome, results_summary
+
+    listed: list[ActionResult] = []
+    for result in results:
+        listed.append(result)
+        if not as_json:
+            stream_err = result.outcome is not Outcome.DONE
+            label = "ok" if result.ok else result.outcome.value
+            click.echo(f"{label}: {result.message}", err=stream_err)
+    summary = results_summary(listed)
+    if as_json:
+        _echo_json(summary)
+    else:
+        click.echo(
+            f"{summary['done']} {done_word}, {summary['refused']} refused, "
+            f"{summary['not_found']} not found, {summary['failed']} failed"
+        )
+    if any(not result.ok for result in listed):
+        sys.exit(EXIT_REFUSED)
+
+
+@dlq.command("stats")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.pass_context
+def dlq_stats(ctx: click.Context, as_json: bool) -> None:
+    """Count dead letters by queue, reason, failure class and effect (from index sizes)."""
+    operations = _operations(ctx)
+    try:
+        stats = operations.stats()
+    except _store_errors() as exc:
+        _fail(f"dead letters unavailable: {exc}")
+    if as_json:
+        _echo_json(stats.to_dict())
+        return
+    from .table import render
+
+    rows: list[list[str]] = [["total", "", str(stats.total)]]
+    for title, counts in (("queue", stats.by_queue), ("reason", stats.by_reason),
+                          ("failure class", stats.by_failure_class),
+                          ("effect", stats.by_effect)):
+        for value, count in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+            rows.append([title, value, str(count)])
+    if stats.replay_pending:
+        rows.append(["replay pending", "", str(stats.replay_pending)])
+    click.echo(render(["BY", "VALUE", "COUNT"], rows, shrink=["VALUE"]))
+
+
+# -- audit ----------------------------------------------------------------------------
+
+
+@tooleffect.group()
+def audit() -> None:
+    """Audit trails: one run's events, or the newest events of all runs."""
+
+
+_EVENT_HEADERS = ["SEQ", "TIME (UTC)", "TASK ID", "TOOL", "PHASE", "STATUS", "TRY", "CLASS",
+                  "EXCEPTION", "BY"]
+
+
+def _event_row(event: Mapping[str, str]) -> list[str]:
+    return [
+        event.get("seq", ""), _when(event.get("ts")), event.get("task_id", ""),
+        event.get("tool", ""), event.get("phase", ""), event.get("status", ""),
+        event.get("attempt", ""), event.get("failure_class", ""),
+        event.get("exception_type", ""), event.get("actor") or event.get("worker", ""),
+    ]
+
+
+@audit.command("show")
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.pass_context
+def audit_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
+    """Show the audit events of one run, oldest first."""
+    from .runtime import runtime_for
+
+    try:
+        events = runtime_for(_app(ctx)).audit.events(run_id)
+    except _store_errors() as exc:
+        _fail(f"audit log unavailable: {exc}")
+    if as_json:
+        _echo_json({"run_id": run_id, "events": events})
+        if not events:
+            sys.exit(EXIT_REFUSED)
+        return
+    if not events:
+        _fail(f"{run_id}: no audit events for this run")
+    from .table import render
+
+    click.echo(render(_EVENT_HEADERS, [_event_row(event) for event in events],
+                      shrink=["TOOL", "BY", "EXCEPTION"],
+                      optional=["BY", "EXCEPTION", "TIME (UTC)", "CLASS", "TRY", "TOOL"]))
+
+
+#: Widths of the tail's padded fields: time, phase, status. The ids follow in full
+#: (an operator copies them), then the tool, class and who; lines are clipped
+#: at the terminal's width.
+_TAIL_WIDTHS = (8, 14, 13)
+
+
+def _tail_line(event: Mapping[str, str], width: int) -> str:
+    from .table import clip, cut
+
+    ts = event.get("ts", "")
+    moment = _when(ts)[11:19] if ts and ts[0].isdigit() else ts
+    padded = (moment, event.get("phase", ""), event.get("status", ""))
+    text = " ".join(cut(value, w).ljust(w) for value, w in zip(padded, _TAIL_WIDTHS,
+                                                              strict=True))
+    rest = [event.get("run_id", ""), event.get("task_id", ""), event.get("tool", ""),
+            event.get("failure_class", ""), event.get("actor") or event.get("worker", "")]
+    return clip(" ".join([text, *(value for value in rest if value)]).rstrip(), width)
+
+
+@audit.command("tail")
+@click.option("--count", "-n", type=click.IntRange(1, 10_000), default=20, show_default=True,
+              help="How many of the newest events to show first.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events (Ctrl-C stops).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_context
+def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool) -> None:
+    """Show the newest events of all runs (the global stream); --follow keeps going."""
+    from .audit import text
+    from .runtime import runtime_for
+    from .table import terminal_width
+
+    log = runtime_for(_app(ctx)).audit
+    width = terminal_width()
+
+    def emit(event: Mapping[str, str]) -> None:
+        if as_json:
+            click.echo(json.dumps(dict(event), sort_keys=True, ensure_ascii=False))
+        else:
+            click.echo(_tail_line(event, width))
+
+    try:
+        events = log.tail(count)
+        if not as_json:
+            click.echo(_tail_line({"ts": "UTC", "run_id": "RUN ID", "task_id": "TASK ID",
+                                   "tool": "TOOL", "phase": "PHASE", "status": "STATUS",
+                                   "failure_class": "CLASS", "actor": "BY"}, width))
+        for event in events:
+            emit(event)
+        if not follow:
+            return
+        last = events[-1]["id"] if events else "$"
+        client = log.client
+        key = log.keys.global_events
+        while True:
+            block = max(int(min(log.settings.socket_timeout * 500, 1000)), 100)
+            replies: Any = client.xread({key: last}, block=block, count=100) or []
+            for _stream, entries in replies:
+                for entry_id, fields in entries:
+                    last = text(entry_id)
+                    emit({"id": last, **{text(k): text(v) for k, v in fields.items()}})
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        return
+    except _store_errors() as exc:
+        _fail(f"audit log unavailable: {exc}")
+
+
+# -- flower --------------------------------------------------------------------------
+
+
+@tooleffect.command(
+    "flower", context_settings={"ignore_unknown_options": True, "allow_extra_args": True}
+)
+@click.argument("flower_argv", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def flower_command(ctx: click.Context, flower_argv: tuple[str, ...]) -> None:
+    """Start Flower 2.x with a "Dead letters" page (takes Flower's own options)."""
+    try:
+        from .flower import run_flower
+    except ImportError as exc:  # pragma: no cover - depends on the extra
+        _fail(f"Flower is not installed ({exc}): pip install 'celery-tooleffect[flower]'")
+    quiet = bool(getattr(ctx.find_root().obj, "quiet", False))
+    run_flower(_app(ctx), list(flower_argv), quiet=quiet)
+
+
+# -- the console script --------------------------------------------------------------
+
+
+@click.group(name="celery-tooleffect", commands=tooleffect.commands)
+@click.option("-A", "--app", "app_name", required=True, metavar="APP",
+              help="The Celery app (module or module:attribute), as for celery -A.")
+@click.option("--workdir", type=click.Path(file_okay=False, exists=True),
+              help="Change to this folder first (where the app module is found).")
+@click.pass_context
+def main(ctx: click.Context, app_name: str, workdir: str | None) -> None:
+    """celery-tooleffect: dead letters, audit trails, and Flower with a Dead letters page."""
+    import os
+
+    from celery.app.utils import find_app
+    from celery.bin.base import CLIContext
+
+    if workdir:
+        os.chdir(workdir)
+    try:
+        app = find_app(app_name)
+    except Exception as exc:
+        raise click.UsageError(f"cannot load the app {app_name!r}: {exc}") from exc
+    ctx.obj = CLIContext(app=app, no_color=True, workdir=workdir, quiet=False)
+
+
+if __name__ == "__main__":  # python -m celery_tooleffect.cli -A app ...
+    main()
