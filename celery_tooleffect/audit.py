@@ -183,30 +183,40 @@ class AuditLog:
         return redis_client(self.settings.redis_url, self.settings.socket_timeout)
 
     def record_step(self, event: Mapping[str, Any]) -> bool:
-        """Append ``event`` to its run's stream. Never raises; True if stored."""
+        """Append ``event`` to its run's stream. Never raises; True if stored.
+
+        The copy to the global stream travels in the same round trip.
+        """
         try:
             run_id = str(event["run_id"])
-            script("append_event")(
+            script("append_event").call_with(
                 self.client,
                 [self.keys.run_events(run_id), self.keys.run_seq(run_id)],
                 [self.settings.run_stream_maxlen, self.settings.journal_ttl, *flatten(event)],
+                then=lambda pipe: self.queue_global_copy(pipe, event),
             )
         except Exception as exc:
             logger.warning("audit event not stored (%s: %s): %s", type(exc).__name__, exc,
                            dict(event, run_id=event.get("run_id")))
             return False
-        self.copy_to_global(event)
         return True
+
+    def queue_global_copy(self, pipe: Any, event: Mapping[str, Any]) -> None:
+        """Queue the copy of ``event`` to the global stream (for tailing) on ``pipe``."""
+        flat = flatten(event)
+        pipe.xadd(
+            self.keys.global_events,
+            dict(zip(flat[::2], flat[1::2], strict=True)),
+            maxlen=self.settings.global_stream_maxlen,
+            approximate=True,
+        )
 
     def copy_to_global(self, event: Mapping[str, Any]) -> None:
         """Copy an event to the global stream used for tailing. Best effort."""
         try:
-            self.client.xadd(
-                self.keys.global_events,
-                dict(zip(flatten(event)[::2], flatten(event)[1::2], strict=True)),
-                maxlen=self.settings.global_stream_maxlen,
-                approximate=True,
-            )
+            pipe = self.client.pipeline(transaction=False)
+            self.queue_global_copy(pipe, event)
+            pipe.execute(raise_on_error=False)
         except Exception as exc:
             logger.debug("global audit copy skipped: %s", exc)
 

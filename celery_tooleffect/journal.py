@@ -24,6 +24,7 @@ import enum
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -166,8 +167,14 @@ class Journal:
         Raises :class:`StoreUnavailable` when nothing could be stored.
         """
         journal_fields = flatten(fields or {})
+
+        def copy(pipe: Any) -> None:
+            # In the same round trip; skipped when a refusal stores nothing.
+            if record_late:
+                self.audit.queue_global_copy(pipe, event)
+
         try:
-            answer = script("transition")(
+            answer = script("transition").call_with(
                 self.client,
                 self._keys(ref),
                 [
@@ -182,11 +189,12 @@ class Journal:
                     *journal_fields,
                     *flatten(event),
                 ],
+                then=copy,
             )
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
         moved = answer[0] == b"ok"
-        if moved or record_late:
+        if moved and not record_late:
             self.audit.copy_to_global(event)
         return Transition(moved, text(answer[1]))
 

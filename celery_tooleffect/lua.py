@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
@@ -35,6 +35,32 @@ class LuaScript:
         except NoScriptError:
             client.script_load(self.text)
             return client.evalsha(self.sha, len(keys), *keys, *args)
+
+    def call_with(
+        self,
+        client: redis.Redis,
+        keys: Sequence[KeyOrArg],
+        args: Sequence[KeyOrArg],
+        then: Callable[[Any], None],
+    ) -> Any:
+        """Run the script, and in the same round trip the commands ``then`` queues.
+
+        Those commands are best effort: their errors are ignored, and they run
+        even when the script fails (a second time when the script had to be
+        loaded first). Connection errors raise as usual.
+        """
+        for _ in range(2):
+            pipe = client.pipeline(transaction=False)
+            pipe.evalsha(self.sha, len(keys), *keys, *args)
+            then(pipe)
+            answer = pipe.execute(raise_on_error=False)[0]
+            if isinstance(answer, NoScriptError):
+                client.script_load(self.text)
+                continue
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        raise NoScriptError(f"script {self.name} could not be loaded")
 
     def __repr__(self) -> str:
         return f"LuaScript({self.name!r}, sha={self.sha[:12]})"

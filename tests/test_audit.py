@@ -141,3 +141,13 @@ def test_the_task_failed_event_flower_reads_carries_the_failure_class(
     assert event["uuid"] == result.id
     assert event["failure_class"] == "unknown"
     assert "failure_class=unknown" in str(event["exception"])
+
+
+def test_events_are_copied_to_the_global_stream_for_tailing(
+    make_app: Callable[..., Celery]
+) -> None:
+    app = make_app()
+    charge = define_charge(app)
+    result = charge.apply(("c", 1))
+    tail = [e for e in AuditLog(app).tail(50) if e.get("task_id") == result.id]
+    assert [e["phase"] for e in tail] == ["intent", "outcome"]
