@@ -1,0 +1,441 @@
+"""Flower 2.x with a "Dead letters" page and a JSON API under ``/api/dead-letters``.
+
+``celery -A app tooleffect flower [flower options]`` starts Flower exactly as
+``celery -A app flower`` does (same options, environment variables, config
+file, authentication, TLS and URL prefix), plus:
+
+- a **Dead letters** tab in Flower's navigation: the list with filters (queue,
+  reason, failure class, effect) and paging, one letter's details, and replay
+  and purge buttons under the rules of :mod:`celery_tooleffect.operations`. A
+  NON_IDEMPOTENT_WRITE (or a write whose body completed) is replayed only
+  when the operator ticks a confirmation and gives a reason; without them the
+  page shows the refusal and nothing is published;
+- the JSON API::
+
+      GET  /api/dead-letters?queue=&reason=&failure_class=&effect=&limit=&cursor=
+      GET  /api/dead-letters/stats
+      GET  /api/dead-letters/<task_id>
+      POST /api/dead-letters/<task_id>/replay   {"force": false, "reason": ""}
+      POST /api/dead-letters/<task_id>/purge    {"reason": ""}
+
+  with the same JSON as the CLI's ``--json`` (replay and purge answer one
+  result: 200 done, 409 refused, 404 not found, 503 failed);
+- a "Failure class" row on Flower's task page for failed tool tasks (from
+  the ``failure_class`` field the worker adds to ``task-failed``).
+
+Security is Flower's own: the pages subclass Flower's ``BaseHandler`` and the
+API its ``BaseApiHandler``, every method is ``@web.authenticated``, and
+Flower's ``check_xsrf_cookie`` applies to every POST (the page's forms carry
+the ``_xsrf`` field). So ``--basic-auth`` and ``--auth`` (OAuth) protect the
+page and its actions, and the API answers only when authentication is
+configured or ``FLOWER_UNAUTHENTICATED_API`` is set, as Flower's own API does.
+Who acted (the authenticated user, else ``anonymous``, and the client address)
+is written in the audit event of every replay and purge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import base64
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from importlib import resources
+from typing import Any, TypeVar
+
+import tornado.template
+from flower import command as flower_command
+from flower.api import BaseApiHandler
+from flower.app import Flower, rewrite_handler
+from flower.options import options as flower_options
+from flower.urls import settings as flower_settings
+from flower.views import BaseHandler
+from tornado import web
+from tornado.web import url
+
+from .dead_letters import Cursor, DeadLetterQuery, DeadLetterReason
+from .effect import ToolEffect
+from .failures import FailureClass
+from .operations import (
+    ActionResult,
+    DeadLetterOperations,
+    Outcome,
+    letter_summary,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Letters per page on the Dead letters page (``?limit=`` changes it, up to 500).
+PAGE_SIZE = 25
+MAX_PAGE = 500
+NAV_ITEM = """
+        <li class="nav-item">
+          <a class="nav-link{% if active_tab == 'dead_letters' %} active{% end %}"
+            href="{{ reverse_url('dead_letters') }}" id="nav-dead-letters"
+            {% if active_tab == 'dead_letters' %}aria-current="page"{% end %}>Dead letters</a>
+        </li>
+"""
+HTTP_STATUS = {Outcome.DONE: 200, Outcome.REFUSED: 409, Outcome.NOT_FOUND: 404,
+               Outcome.FAILED: 503}
+
+
+# -- starting Flower ---------------------------------------------------------------
+
+
+def run_flower(capp: Any, argv: list[str], *, quiet: bool = False) -> None:
+    """Start Flower for ``capp`` with ``argv`` (Flower's options), as ``celery flower`` does."""
+    flower_command.apply_env_options()
+    flower_command.apply_options(sys.argv[0], argv)
+    flower_command.extract_settings()
+    flower_command.setup_logging()
+    flower_app = make_flower(capp, flower_options, flower_settings)
+    atexit.register(flower_app.stop)
+    signal.signal(signal.SIGTERM, flower_command.sigterm_handler)
+    port = flower_app.start_http_server()
+    if not quiet:
+        flower_command.print_banner(capp, "ssl_options" in flower_settings, port)
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):
+        flower_app.start()
+
+
+def make_flower(capp: Any, options: Any, settings: dict[str, Any]) -> Any:
+    """A Flower application with the Dead letters page, its API and the failure class row."""
+    settings = dict(settings)
+    settings["template_loader"] = TemplateLoader(
+        str(settings["template_path"]), autoescape="xhtml_escape"
+    )
+    flower_app = Flower(capp=capp, options=options, **settings)
+    flower_app.tooleffect_operations = DeadLetterOperations(capp)
+    handlers: list[Any] = dead_letter_handlers()
+    if options.url_prefix:
+        handlers = [rewrite_handler(handler, options.url_prefix) for handler in handlers]
+    # Before Flower's catch-all 404 handler (tornado inserts new hosts' rules first).
+    flower_app.add_handlers(r".*", handlers)
+    show_failure_class(flower_app)
+    return flower_app
+
+
+def dead_letter_handlers() -> list[Any]:
+    """The page's and the API's URL rules (without Flower's URL prefix)."""
+    return [
+        url(r"/dead-letters", DeadLettersPage, name="dead_letters"),
+        url(r"/dead-letters/([^/]+)", DeadLetterPage, name="dead_letter"),
+        url(r"/dead-letters/([^/]+)/(replay|purge)", DeadLetterActionPage,
+            name="dead_letter_action"),
+        (r"/api/dead-letters", DeadLettersApi),
+        (r"/api/dead-letters/stats", DeadLetterStatsApi),
+        (r"/api/dead-letters/([^/]+)", DeadLetterApi),
+        (r"/api/dead-letters/([^/]+)/(replay|purge)", DeadLetterActionApi),
+    ]
+
+
+class TemplateLoader(tornado.template.Loader):
+    """Flower's templates, plus this package's, with a Dead letters item in the navbar.
+
+    The navigation item is inserted into Flower's own ``navbar.html`` when it
+    is loaded (before the end of its first list), so every Flower page shows
+    it without copying Flower's template.
+    """
+
+    def __init__(self, root_directory: str, **kwargs: Any) -> None:
+        super().__init__(root_directory, **kwargs)
+        self.own = resources.files("celery_tooleffect") / "flower_templates"
+
+    def _create_template(self, name: str) -> tornado.template.Template:
+        own = self.own / name
+        if own.is_file():
+            source = own.read_text(encoding="utf-8")
+        elif name == "navbar.html":
+            with open(os.path.join(self.root, name), encoding="utf-8") as handle:
+                source = with_nav_item(handle.read())
+        else:
+            return super()._create_template(name)
+        return tornado.template.Template(source, name=name, loader=self)
+
+
+def with_nav_item(navbar: str) -> str:
+    """Flower's navbar template with the Dead letters item at the end of its first list."""
+    end = navbar.find("</ul>")
+    if end < 0:
+        logger.warning("Flower's navbar has no list: the Dead letters tab is not shown")
+        return navbar
+    return navbar[:end] + NAV_ITEM + navbar[end:]
+
+
+def show_failure_class(flower_app: Any) -> None:
+    """Show a failed tool task's ``failure_class`` on Flower's task page.
+
+    Flower's task page lists the fields in ``Task._fields`` only, and it
+    formats a copy of the task made from those fields (``copy.copy`` goes
+    through ``Task.__reduce__``), so the extra ``failure_class`` the worker
+    sends with ``task-failed`` is kept in Flower's state but never shown.
+    This wraps Flower's ``format_task`` option (keeping a user's own) so that
+    the copy gets the field back from the state and lists it.
+    """
+    options = flower_app.options
+    user_format: Callable[[Any], Any] | None = options.format_task
+
+    def format_task(task: Any) -> Any:
+        if user_format is not None:
+            task = user_format(task)
+        fields = getattr(task, "_fields", None)
+        uuid = getattr(task, "uuid", None)
+        if fields is None or uuid is None or "failure_class" in fields:
+            return task
+        original = flower_app.events.state.tasks.get(uuid)
+        failure_class = getattr(original, "failure_class", None)
+        if failure_class:
+            task.failure_class = failure_class
+            task._fields = (*fields, "failure_class")
+        return task
+
+    options.format_task = format_task
+
+
+# -- shared by the page and the API ---------------------------------------------------
+
+
+class _DeadLetterMixin:
+    """What the page and the API share: the operations and who is acting."""
+
+    application: Any
+    request: Any
+    current_user: Any
+
+    @property
+    def operations(self) -> DeadLetterOperations:
+        return self.application.tooleffect_operations  # type: ignore[no-any-return]
+
+    def actor(self) -> str:
+        user = self.current_user
+        name = user if isinstance(user, str) and user else ""
+        if not name and self.application.options.basic_auth:
+            name = _basic_auth_user(self.request.headers.get("Authorization", ""))
+        return f"{name or 'anonymous'} (flower {self.request.remote_ip})"
+
+    async def blocking(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``function`` (Redis and broker calls) off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, functools.partial(function, *args, **kwargs))
+
+    def query_from(self, get: Callable[..., Any]) -> DeadLetterQuery:
+        values = {}
+        for name, choices in (("reason", _REASONS), ("failure_class", _CLASSES),
+                              ("effect", _EFFECTS)):
+            value = get(name, "") or ""
+            if value and value not in choices:
+                raise web.HTTPError(400, f"unknown {name} {value!r}")
+            values[name] = value or None
+        return DeadLetterQuery(queue=get("queue", "") or None, **values)
+
+
+def _basic_auth_user(header: str) -> str:
+    try:
+        scheme, credentials = header.split(None, 1)
+        if scheme.lower() != "basic":
+            return ""
+        return base64.b64decode(credentials).decode("utf-8", "replace").split(":", 1)[0]
+    except (ValueError, UnicodeError):
+        return ""
+
+
+_REASONS = tuple(reason.value for reason in DeadLetterReason)
+_CLASSES = tuple(failure_class.value for failure_class in FailureClass)
+_EFFECTS = tuple(effect.value for effect in ToolEffect)
+
+
+def _cursor(value: str | None) -> Cursor | None:
+    if not value:
+        return None
+    try:
+        return Cursor.decode(value)
+    except ValueError:
+        raise web.HTTPError(400, f"not a cursor: {value!r}") from None
+
+
+def _limit(value: Any, default: int) -> int:
+    try:
+        return min(max(int(value), 1), MAX_PAGE) if value not in (None, "") else default
+    except (TypeError, ValueError):
+        raise web.HTTPError(400, f"not a limit: {value!r}") from None
+
+
+def _flag(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+# -- the page ----------------------------------------------------------------------
+
+
+class DeadLettersPage(_DeadLetterMixin, BaseHandler):  # type: ignore[misc]
+    """``/dead-letters``: the list, with filters and paging."""
+
+    @web.authenticated
+    async def get(self) -> None:
+        await self.render_list()
+
+    async def render_list(self, result: ActionResult | None = None, status: int = 200) -> None:
+        get = functools.partial(self.get_argument, escape=False)
+        query = self.query_from(get)
+        cursor = _cursor(get("cursor", ""))
+        limit = _limit(get("limit", ""), PAGE_SIZE)
+        operations = self.operations
+        page = await self.blocking(operations.runtime.dead_letters.page, query, limit=limit,
+                                   before=cursor)
+        stats = await self.blocking(operations.stats)
+        self.set_status(status)
+        self.render(
+            "tooleffect_dead_letters.html",
+            letters=[letter_summary(letter, operations.privacy) for letter in page.letters],
+            next_cursor=page.next_cursor.encode() if page.next_cursor else "",
+            paged=cursor is not None,
+            total=page.total,
+            stats=stats,
+            query=query,
+            limit=limit,
+            reasons=_REASONS,
+            classes=_CLASSES,
+            effects=_EFFECTS,
+            result=result,
+        )
+
+
+class _DetailPage(_DeadLetterMixin, BaseHandler):  # type: ignore[misc]
+    """Renders one letter's page, with its replay and purge forms."""
+
+    async def render_detail(
+        self, task_id: str, result: ActionResult | None = None, status: int = 200
+    ) -> None:
+        detail = await self.blocking(self.operations.detail, task_id)
+        if detail is None and result is None:
+            raise web.HTTPError(404, f"No dead letter {task_id!r}")
+        self.set_status(status)
+        self.render(
+            "tooleffect_dead_letter.html",
+            task_id=task_id,
+            detail=detail,
+            result=result,
+            pretty=_pretty,
+        )
+
+
+class DeadLetterPage(_DetailPage):
+    """``/dead-letters/<task_id>``: one letter, with its replay and purge forms."""
+
+    @web.authenticated
+    async def get(self, task_id: str) -> None:
+        await self.render_detail(task_id)
+
+
+class DeadLetterActionPage(_DetailPage):
+    """``POST /dead-letters/<task_id>/(replay|purge)`` from the page's forms."""
+
+    @web.authenticated
+    async def post(self, task_id: str, action: str) -> None:
+        reason = self.get_argument("reason", "", escape=False) or ""
+        confirmed = _flag(self.get_argument("confirm", "", escape=False))
+        operations = self.operations
+        if action == "replay":
+            result = await self.blocking(
+                operations.replay, task_id, actor=self.actor(), reason=reason,
+                force=confirmed, via="flower",
+            )
+        else:
+            result = await self.blocking(
+                operations.purge, task_id, actor=self.actor(), reason=reason, via="flower"
+            )
+        if result.outcome is Outcome.REFUSED and not confirmed:
+            result = ActionResult(
+                result.task_id, result.action, result.outcome,
+                result.message + " On this page: tick the confirmation and give a reason.",
+                result.name, result.effect, result.queue,
+            )
+        await self.render_detail(task_id, result, HTTP_STATUS[result.outcome])
+
+
+def _pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, default=str, sort_keys=True)
+
+
+# -- the API -----------------------------------------------------------------------
+
+
+class DeadLettersApi(_DeadLetterMixin, BaseApiHandler):  # type: ignore[misc]
+    """``GET /api/dead-letters``: one page, as ``dlq list --json``."""
+
+    @web.authenticated
+    async def get(self) -> None:
+        get = functools.partial(self.get_argument, escape=False)
+        operations = self.operations
+        page = await self.blocking(
+            operations.runtime.dead_letters.page, self.query_from(get),
+            limit=_limit(get("limit", ""), 50), before=_cursor(get("cursor", "")),
+        )
+        self.write({
+            "dead_letters": [letter_summary(letter, operations.privacy)
+                             for letter in page.letters],
+            "next_cursor": page.next_cursor.encode() if page.next_cursor else None,
+            "total": page.total,
+        })
+
+
+class DeadLetterStatsApi(_DeadLetterMixin, BaseApiHandler):  # type: ignore[misc]
+    """``GET /api/dead-letters/stats``: as ``dlq stats --json``."""
+
+    @web.authenticated
+    async def get(self) -> None:
+        stats = await self.blocking(self.operations.stats)
+        self.write(stats.to_dict())
+
+
+class DeadLetterApi(_DeadLetterMixin, BaseApiHandler):  # type: ignore[misc]
+    """``GET /api/dead-letters/<task_id>``: as ``dlq show --json``."""
+
+    @web.authenticated
+    async def get(self, task_id: str) -> None:
+        detail = await self.blocking(self.operations.detail, task_id)
+        if detail is None:
+            raise web.HTTPError(404, f"No dead letter {task_id!r}")
+        self.set_header("Content-Type", "application/json; charset=UTF-8")
+        self.write(json.dumps(detail, default=str, ensure_ascii=False))
+
+
+class DeadLetterActionApi(_DeadLetterMixin, BaseApiHandler):  # type: ignore[misc]
+    """``POST /api/dead-letters/<task_id>/(replay|purge)``: one result as JSON."""
+
+    @web.authenticated
+    async def post(self, task_id: str, action: str) -> None:
+        body = self._body()
+        reason = str(body.get("reason") or "")
+        operations = self.operations
+        if action == "replay":
+            result = await self.blocking(
+                operations.replay, task_id, actor=self.actor(), reason=reason,
+                force=_flag(body.get("force", False)), via="flower-api",
+            )
+        else:
+            result = await self.blocking(
+                operations.purge, task_id, actor=self.actor(), reason=reason, via="flower-api"
+            )
+        self.set_status(HTTP_STATUS[result.outcome])
+        self.write(result.to_dict())
+
+    def _body(self) -> dict[str, Any]:
+        raw = self.request.body
+        if raw and self.request.headers.get("Content-Type", "").startswith("application/json"):
+            try:
+                data = json.loads(raw)
+            except ValueError as exc:
+                raise web.HTTPError(400, f"invalid JSON: {exc}") from None
+            if not isinstance(data, dict):
+                raise web.HTTPError(400, "the body must be a JSON object")
+            return data
+        return {name: self.get_argument(name, "", escape=False) for name in ("force", "reason")}
