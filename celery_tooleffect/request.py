@@ -35,7 +35,6 @@ from .attempt import (
     forged_headers,
     queue_name,
     resolve_run_id,
-    without_internal_fields,
 )
 from .dead_letters import DeadLetterReason
 from .effect import ToolEffect
@@ -205,9 +204,7 @@ class ToolRequest(Request):  # type: ignore[misc]
 
     def _run_again(self, attempt: Attempt, exc: BaseException) -> None:
         """Publish the task again as a retry, then acknowledge this delivery."""
-        signature = without_internal_fields(self.task.signature_from_request(
-            self._context, retries=attempt.retries + 1
-        ))
+        signature = self.task.signature_from_request(self._context, retries=attempt.retries + 1)
         try:
             signature.apply_async()
         except Exception as publish_failed:

@@ -164,6 +164,21 @@ class ToolTask(Task):  # type: ignore[misc]
 
     # -- calling -------------------------------------------------------------
 
+    def signature_from_request(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's, without the fields the worker added to the request for its pool
+        (every republish of a task from its own request goes through here)."""
+        return without_internal_fields(super().signature_from_request(*args, **kwargs))
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's retry, except that a retry that cannot be published keeps its
+        message (requeued) instead of deleting it, as Celery's Reject would."""
+        try:
+            return super().retry(*args, **kwargs)
+        except Reject as rejected:
+            if rejected.requeue:
+                raise
+            raise Reject(rejected.reason, requeue=True) from rejected
+
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         _refuse_relabel(self.name, options)
         return super().apply_async(args, kwargs, **options)
@@ -290,7 +305,15 @@ class ToolTask(Task):  # type: ignore[misc]
         try:
             with self._heartbeat(attempt, plan):
                 result = self.run(*args, **kwargs)
-        except (Ignore, Retry, Reject):
+        except Retry as requested:
+            # The tool called self.retry(): the attempt ends here, by choice.
+            self._settle(
+                attempt, JournalState.RETRY_SCHEDULED,
+                attempt.context.event("outcome", "retrying", attempt=number, requested="1"),
+                cause=requested,
+            )
+            raise
+        except (Ignore, Reject):
             raise
         except Exception as exc:
             failure_class = runtime.classifier.classify(exc)
@@ -517,9 +540,9 @@ class ToolTask(Task):  # type: ignore[misc]
 
     def _publish_retry(self, request: Context, exc: Exception, countdown: float) -> NoReturn:
         """Publish the retry; if that fails keep the message (never a deleting Reject)."""
-        signature = without_internal_fields(self.signature_from_request(
+        signature = self.signature_from_request(
             request, countdown=countdown, retries=int(request.retries or 0) + 1
-        ))
+        )
         try:
             signature.apply_async()
         except Exception as publish_failed:
@@ -540,7 +563,7 @@ class ToolTask(Task):  # type: ignore[misc]
             raise AttemptInProgress(
                 f"{self.name}[{attempt.task_id}] is running elsewhere for {wait:.0f}s more"
             )
-        signature = without_internal_fields(self.signature_from_request(request, countdown=wait))
+        signature = self.signature_from_request(request, countdown=wait)
         try:
             signature.apply_async()
         except Exception as publish_failed:

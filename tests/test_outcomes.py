@@ -386,3 +386,24 @@ def test_run_id_header_groups_the_calls_of_one_run(
     events = AuditLog(app).events("run-{42}")
     assert {e["task_id"] for e in events} == {one.id, two.id}
     assert [e["seq"] for e in events] == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("effect", ALL_EFFECTS)
+def test_a_tool_may_ask_for_its_own_retry(
+    make_app: Callable[..., Celery], counter: Counter, effect: ToolEffect
+) -> None:
+    app = make_app()
+
+    @app.task(base=ToolTask, effect=effect, name="tools.polls", shared=False, bind=True)
+    def polls(self: ToolTask, key: str) -> str:
+        if counter.hit(key) == 1:
+            raise self.retry(countdown=0.05)
+        return key
+
+    with running_worker(app):
+        result = polls.delay("k")
+        assert result.get(timeout=20) == "k"
+    assert counter.value("k") == 2
+    if effect.is_write:
+        statuses = [e["status"] for e in AuditLog(app).events(result.id)]
+        assert statuses == ["started", "retrying", "started", "succeeded"]
