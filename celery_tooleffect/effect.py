@@ -8,15 +8,18 @@ where relabelling is refused).
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from .choices import Choice
 
 if TYPE_CHECKING:
     from celery import Celery
 
 
-class ToolEffect(str, enum.Enum):
+class ToolEffect(Choice):
     """What running a tool does to the world outside it."""
+
+    __choice_name__ = "a tool effect"
 
     READ_ONLY = "read_only"
     IDEMPOTENT_WRITE = "idempotent_write"
@@ -45,22 +48,6 @@ class ToolEffect(str, enum.Enum):
             "destructiveHint": self.is_write,
             "openWorldHint": open_world,
         }
-
-    @classmethod
-    def coerce(cls, value: object) -> ToolEffect:
-        """Accept a member or its string value; anything else is a clear error."""
-        if isinstance(value, ToolEffect):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-        choices = ", ".join(member.value for member in cls)
-        raise ValueError(f"not a tool effect: {value!r} (choose one of {choices})")
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @runtime_checkable

@@ -14,16 +14,19 @@ with backoff, the others are dead-lettered (queued runs) or raised
 
 from __future__ import annotations
 
-import enum
 import socket
 from collections.abc import Iterable, Mapping
 
 from celery.exceptions import Reject
 from kombu.utils.imports import symbol_by_name
 
+from .choices import Choice
 
-class FailureClass(str, enum.Enum):
+
+class FailureClass(Choice):
     """Why a tool call failed, as far as the retry decision is concerned."""
+
+    __choice_name__ = "a failure class"
 
     CONNECTION = "connection"
     RATE_LIMIT = "rate_limit"
@@ -38,21 +41,6 @@ class FailureClass(str, enum.Enum):
     def retryable(self) -> bool:
         """Whether trying the same call again later may succeed."""
         return self in _RETRYABLE
-
-    @classmethod
-    def coerce(cls, value: object) -> FailureClass:
-        if isinstance(value, FailureClass):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-        choices = ", ".join(member.value for member in cls)
-        raise ValueError(f"not a failure class: {value!r} (choose one of {choices})")
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _RETRYABLE = frozenset(
