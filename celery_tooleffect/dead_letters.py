@@ -290,6 +290,8 @@ class DeadLetters:
             found.extend(entries)
             if exhausted:
                 break
+            if others:  # rare matches: read further ahead each time
+                chunk = min(chunk * 2, 5000)
         more = len(found) > limit
         found = found[:limit]
         letters = self._read_envelopes([text(member) for member, _ in found], query.queue)
