@@ -4,15 +4,20 @@ There is no Docker engine where the tests run, so this reads the compose file
 and checks what it points at: Redis persists (``--appendonly yes``), every
 bind-mounted path and every file a command copies exists, the ``-A`` app
 module is a real file that the ``celery`` command line loads (with the broker
-from ``REDIS_URL``), the ``worker`` and ``flower`` subcommands exist, and the
-extras ``pip install`` asks for are declared in pyproject.toml.
+from ``REDIS_URL``), the ``worker`` and ``tooleffect flower`` subcommands
+exist, and the extras ``pip install`` asks for are declared in pyproject.toml.
+Then it runs what the stack runs, on a redis-server of its own: the example
+worker and the producer's module, and checks that the runs end in the dead
+letters the Dead letters page is meant to show.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +25,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from tests.conftest import RedisServer
 
 try:
     import tomllib
@@ -89,8 +96,8 @@ def bind_sources(service: dict[str, Any]) -> list[tuple[str, str]]:
     return mounts
 
 
-def test_services_are_redis_worker_and_flower(services: dict[str, Any]) -> None:
-    assert {"redis", "worker", "flower"} <= set(services)
+def test_services_are_redis_worker_flower_and_producer(services: dict[str, Any]) -> None:
+    assert {"redis", "worker", "flower", "producer"} <= set(services)
 
 
 def test_redis_is_7_and_keeps_an_append_only_file(services: dict[str, Any]) -> None:
@@ -119,7 +126,7 @@ def test_every_volume_source_exists(compose: dict[str, Any], services: dict[str,
                 assert source in declared, f"{name}: named volume {source} is not declared"
 
 
-@pytest.mark.parametrize("name", ["worker", "flower"])
+@pytest.mark.parametrize("name", ["worker", "flower", "producer"])
 def test_python_services_mount_the_source_as_their_working_dir(
     services: dict[str, Any], name: str
 ) -> None:
@@ -132,7 +139,7 @@ def test_python_services_mount_the_source_as_their_working_dir(
     assert "redis" in str(service.get("depends_on"))
 
 
-@pytest.mark.parametrize("name", ["worker", "flower"])
+@pytest.mark.parametrize("name", ["worker", "flower", "producer"])
 def test_install_steps_name_real_files_and_extras(services: dict[str, Any], name: str) -> None:
     """What the command copies exists; ``pip install`` installs that copy, with real extras."""
     steps = shell_steps(services[name]["command"])
@@ -156,13 +163,16 @@ def test_install_steps_name_real_files_and_extras(services: dict[str, Any], name
             assert extra.strip() in extras_declared, f"{name}: no extra {extra!r}"
 
 
-@pytest.mark.parametrize(("name", "subcommand"), [("worker", "worker"), ("flower", "flower")])
+@pytest.mark.parametrize(
+    ("name", "subcommand"), [("worker", "worker"), ("flower", "tooleffect flower")]
+)
 def test_celery_commands_load_a_real_app_module(
     services: dict[str, Any], name: str, subcommand: str
 ) -> None:
     service = services[name]
     words = celery_step(service["command"])
-    assert subcommand in words
+    after_app = words[words.index(app_module(words)) + 1:]
+    assert after_app[: len(subcommand.split())] == subcommand.split(), words
     module = app_module(words)
     module_file = ROOT / (module.split(":")[0].replace(".", "/") + ".py")
     assert module_file.is_file(), f"{name}: -A {module}: {module_file} does not exist"
@@ -180,9 +190,10 @@ def test_celery_commands_load_a_real_app_module(
     assert host in services, f"REDIS_URL names {host}, which is not a service"
     assert f"results:{env['REDIS_URL']}" in report.stdout
 
-    # ...and the subcommand exists (flower registers itself as a celery command).
+    # ...and the subcommand exists (flower and tooleffect register themselves
+    # as celery commands).
     usage = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", module, subcommand, "--help"],
+        [sys.executable, "-m", "celery", "-A", module, *subcommand.split(), "--help"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
     )
     assert usage.returncode == 0, usage.stderr
@@ -200,7 +211,8 @@ def test_the_example_app_registers_the_demo_tools() -> None:
     )
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.split("\n")[0] == str(
-        ["agent.search_catalog", "agent.send_invoice", "agent.set_shipping_address"]
+        ["agent.charge_card", "agent.search_catalog", "agent.send_invoice",
+         "agent.set_shipping_address", "agent.sync_crm_contact"]
     )
 
 
@@ -210,3 +222,54 @@ def test_flower_publishes_port_5555(services: dict[str, Any]) -> None:
         flower["command"]
     )
     assert any(str(port).split(":")[-1] == "5555" for port in flower.get("ports", []))
+
+
+def test_the_producer_runs_a_real_module(services: dict[str, Any]) -> None:
+    steps = shell_steps(services["producer"]["command"])
+    run = [step[1:] if step[0] == "exec" else step for step in steps][-1]
+    assert run[:2] == ["python", "-m"], run
+    module_file = ROOT / (run[2].replace(".", "/") + ".py")
+    assert module_file.is_file(), f"producer: {run[2]} does not exist"
+    assert services["producer"].get("restart") == "no"
+    assert "worker" in services["producer"]["depends_on"]
+
+
+def test_the_stack_ends_with_dead_letters_for_the_page(
+    second_redis: RedisServer, tmp_path: Path
+) -> None:
+    """The worker and the producer of the stack, on a Redis of the test's own."""
+    env = dict(os.environ, REDIS_URL=second_redis.url, PYTHONPATH=str(ROOT), COLUMNS="200")
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "examples.agent_app", "worker", "--pool",
+         "threads", "--concurrency", "2", "--loglevel", "INFO", "--without-gossip",
+         "--without-mingle"],
+        cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        produced = subprocess.run(
+            [sys.executable, "-m", "examples.produce", "--timeout", "60"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+        )
+        assert produced.returncode == 0, produced.stdout + produced.stderr + log.read_text()
+        assert produced.stdout.count(": dead letter (") == 2, produced.stdout
+        listed = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "examples.agent_app", "tooleffect", "dlq",
+             "list", "--json"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert listed.returncode == 0, listed.stderr
+        letters = {entry["name"]: entry for entry in json.loads(listed.stdout)["dead_letters"]}
+        assert set(letters) == {"agent.sync_crm_contact", "agent.charge_card"}
+        assert letters["agent.sync_crm_contact"]["failure_class"] == "auth"
+        assert letters["agent.sync_crm_contact"]["effect"] == "idempotent_write"
+        assert letters["agent.charge_card"]["failure_class"] == "client_error"
+        assert letters["agent.charge_card"]["effect"] == "non_idempotent_write"
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(10)
