@@ -438,7 +438,12 @@ class ToolTask(Task):  # type: ignore[misc]
             )
             if attempt.interactive:
                 raise failed from store_down
-            if _already_dead_lettered(runtime, attempt.task_id):
+            if _already_ended(runtime, attempt) or _already_dead_lettered(
+                runtime, attempt.task_id
+            ):
+                logger.warning("%s[%s] delivered again after it ended; acknowledged without "
+                               "running (not audited: %s)", self.name, attempt.task_id,
+                               store_down)
                 raise Ignore() from None
             self._after_failure(attempt, request, failed, FailureClass.CONNECTION,
                                 attempt.retries + 1, body_started=False)
@@ -661,6 +666,21 @@ def _replay_options(request: Context) -> dict[str, Any]:
         "exchange": delivery_info.get("exchange"),
         "routing_key": delivery_info.get("routing_key"),
     }
+
+
+def _already_ended(runtime: ToolRuntime, attempt: Attempt) -> bool:
+    """Whether the journal, read when it cannot be written, says the task ended.
+
+    A store that refuses writes (out of memory, read-only replica, ACL) still
+    answers reads: a delivery of a task that succeeded or was dead-lettered is
+    then acknowledged without running, as it is when the store is healthy,
+    instead of being retried until its budget is spent and dead-lettered.
+    """
+    try:
+        state = runtime.journal.read(attempt.ref).get("state")
+    except StoreUnavailable:
+        return False
+    return state in (JournalState.SUCCEEDED.value, JournalState.DEAD_LETTERED.value)
 
 
 def _already_dead_lettered(runtime: ToolRuntime, task_id: str) -> bool:

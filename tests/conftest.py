@@ -233,12 +233,15 @@ def spawn_worker(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerPr
     started: list[WorkerProcess] = []
 
     def spawn(concurrency: int = 1, visibility_timeout: float = 60.0,
-              store_url: str | None = None, **env: str) -> WorkerProcess:
+              store_url: str | None = None, broker_url: str | None = None,
+              **env: str) -> WorkerProcess:
         log = tmp_path / f"worker-{len(started)}.log"
         environment = dict(os.environ)
+        # Side-effect counters stay on the main Redis whichever broker is used.
         environment.update(
-            TE_PREFIX=prefix, TE_BROKER=REDIS_URL, TE_VT=str(visibility_timeout),
-            TE_STORE=store_url or "", PYTHONPATH=str(TESTS.parent), **env,
+            TE_PREFIX=prefix, TE_BROKER=broker_url or REDIS_URL, TE_COUNTERS=REDIS_URL,
+            TE_VT=str(visibility_timeout), TE_STORE=store_url or "",
+            PYTHONPATH=str(TESTS.parent), **env,
         )
         process = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "tests.apps.tool_app", "worker",

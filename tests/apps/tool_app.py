@@ -2,7 +2,8 @@
 
 Configured from the environment by ``spawn_worker`` in conftest: TE_PREFIX
 (every key of the test), TE_BROKER, TE_VT (visibility timeout), TE_STORE
-(optional separate audit store). Each body counts its executions, records the
+(optional separate audit store), TE_COUNTERS (the Redis of the side-effect
+counters, default the broker), TE_SOCKET_TIMEOUT. Each body counts its executions, records the
 pid of the process running it, and holds until released or its hold ends.
 """
 
@@ -36,10 +37,11 @@ app.conf.update(
         },
         tooleffect_redis_url=os.environ.get("TE_STORE") or None,
         tooleffect_max_retries=int(os.environ.get("TE_MAX_RETRIES", "3")),
+        tooleffect_socket_timeout=float(os.environ.get("TE_SOCKET_TIMEOUT", "2.0")),
         worker_hijack_root_logger=True,
     )
 )
-counters = redis.Redis.from_url(BROKER)
+counters = redis.Redis.from_url(os.environ.get("TE_COUNTERS") or BROKER)
 
 
 def hold_and_count(key: str, hold: float) -> str:
