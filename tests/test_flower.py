@@ -194,6 +194,17 @@ def click(driver: Any, css: str) -> None:
     element.click()
 
 
+def outcome(driver: Any) -> str | None:
+    """The page's ``#result`` outcome, or None while there is none (or it is being replaced)."""
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.common.by import By
+
+    try:
+        return driver.find_element(By.CSS_SELECTOR, "#result").get_attribute("data-outcome")
+    except WebDriverException:
+        return None
+
+
 def test_dead_letters_page_in_a_real_browser(
     tools: Tools, start_flower: Callable[..., FlowerProcess], browser: Any
 ) -> None:
@@ -267,8 +278,7 @@ def test_dead_letters_page_in_a_real_browser(
         browser.find_element(By.CSS_SELECTOR, "#replay-reason").send_keys("checked by hand")
         click(browser, "#replay-confirm")
         click(browser, "#replay-button")
-        wait_for(lambda: browser.find_element(By.CSS_SELECTOR, "#result")
-                 .get_attribute("data-outcome") == "done", what="the confirmed replay")
+        wait_for(lambda: outcome(browser) == "done", what="the confirmed replay")
         succeeded(app, write.task_id)
     assert tools.counter.value("page-write") == 2
     events = [event for event in _events(app, write.run_id) if event["phase"] == "replayed"]
