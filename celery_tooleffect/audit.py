@@ -18,12 +18,13 @@ the privacy level (``tooleffect_privacy``):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ import redis
 
 from .connections import redis_client
 from .effect import ToolEffect
-from .keys import Keys
+from .keys import Keys, unescape_hash_tag
 from .lua import script
 from .settings import Settings, settings_for
 
@@ -170,6 +171,29 @@ def _decode(fields: Mapping[Any, Any]) -> dict[str, str]:
     return {text(key): text(value) for key, value in fields.items()}
 
 
+@dataclass(frozen=True)
+class ChainCheck:
+    """What :meth:`AuditLog.verify` found in one run's stream."""
+
+    run_id: str
+    events: int
+    #: The first broken link: the stream entry id, and what is wrong with it.
+    broken_at: str | None = None
+    problem: str | None = None
+
+    @property
+    def intact(self) -> bool:
+        return self.broken_at is None
+
+
+def event_hash(fields: Sequence[tuple[bytes, bytes]]) -> str:
+    """The hash an event's fields (in stored order, without ``hash``) must carry."""
+    canonical = b"".join(
+        b"%d:%s" % (len(part), part) for pair in fields for part in pair
+    )
+    return hashlib.sha1(canonical).hexdigest()
+
+
 class AuditLog:
     """Reads and appends a run's audit events."""
 
@@ -228,6 +252,43 @@ class AuditLog:
         """
         entries: Sequence[Any] = self.client.xrange(self.keys.run_events(run_id)) or []
         return [{"id": text(entry_id), **_decode(fields)} for entry_id, fields in entries]
+
+    def verify(self, run_id: str) -> ChainCheck:
+        """Check the hash chain of ``run_id``'s events; report the first broken link.
+
+        An edited event no longer matches its ``hash``; a deleted one leaves
+        the next event's ``prev`` pointing at nothing. The chain head kept
+        beside the stream catches the deletion of the newest events. Events
+        trimmed by MAXLEN are not a break: checking starts at the oldest event
+        still stored.
+        """
+        client = self.client
+        entries: Sequence[Any] = client.xrange(self.keys.run_events(run_id)) or []
+        head = client.hget(self.keys.run_seq(run_id), "head")
+        previous: str | None = None
+        for entry_id, raw in entries:
+            pairs = [(bytes(key), bytes(value)) for key, value in raw.items()]
+            stored = dict(pairs)
+            where = text(entry_id)
+            if not pairs or pairs[-1][0] != b"hash":
+                return ChainCheck(run_id, len(entries), where, "event has no hash")
+            if event_hash(pairs[:-1]) != text(stored[b"hash"]):
+                return ChainCheck(run_id, len(entries), where, "event was altered")
+            if previous is not None and text(stored.get(b"prev", b"")) != previous:
+                return ChainCheck(run_id, len(entries), where,
+                                  "the event before it is missing or was altered")
+            previous = text(stored[b"hash"])
+        if head is not None and previous != text(head):
+            where = text(entries[-1][0]) if entries else "end"
+            return ChainCheck(run_id, len(entries), where, "newer events were deleted")
+        return ChainCheck(run_id, len(entries))
+
+    def runs(self) -> Iterator[str]:
+        """Every run id that has an audit stream (scans the store: for operators)."""
+        pattern = f"{self.keys.prefix}{{*}}:events"
+        for key in self.client.scan_iter(match=pattern, count=1000):
+            name = text(key)[len(self.keys.prefix):]
+            yield unescape_hash_tag(name[1:name.rindex("}:events")])
 
     def tail(self, count: int = 100) -> list[dict[str, str]]:
         """The newest ``count`` events of all runs, oldest first."""

@@ -496,6 +496,48 @@ def audit_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
                       optional=["BY", "EXCEPTION", "TIME (UTC)", "CLASS", "TRY", "TOOL"]))
 
 
+@audit.command("verify")
+@click.argument("run_ids", nargs=-1)
+@click.option("--all", "every", is_flag=True, help="Verify every run in the store.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.pass_context
+def audit_verify(ctx: click.Context, run_ids: tuple[str, ...], every: bool,
+                 as_json: bool) -> None:
+    """Check the hash chain of runs' audit events; report the first broken link.
+
+    Exit code 0 when every chain is intact, 1 when one is broken or a run has
+    no events.
+    """
+    from .runtime import runtime_for
+
+    if bool(run_ids) == every:
+        raise click.UsageError("give RUN_ID... or --all (not both)")
+    log = runtime_for(_app(ctx)).audit
+    try:
+        checks = [log.verify(run_id) for run_id in (log.runs() if every else run_ids)]
+    except _store_errors() as exc:
+        _fail(f"audit log unavailable: {exc}")
+    bad = [check for check in checks if not check.intact or check.events == 0]
+    if as_json:
+        _echo_json({"runs": [
+            {"run_id": c.run_id, "events": c.events, "intact": c.intact and c.events > 0,
+             "broken_at": c.broken_at, "problem": c.problem or (None if c.events else
+                                                                "no events")}
+            for c in checks
+        ]})
+    else:
+        for check in checks:
+            if check.events == 0:
+                click.echo(f"{check.run_id}: no events")
+            elif check.intact:
+                click.echo(f"{check.run_id}: intact ({check.events} events)")
+            else:
+                click.echo(f"{check.run_id}: BROKEN at {check.broken_at}: {check.problem}")
+        click.echo(f"{len(checks) - len(bad)} of {len(checks)} run(s) intact")
+    if bad:
+        sys.exit(EXIT_REFUSED)
+
+
 #: Widths of the tail's padded fields: time, phase, status. The ids follow in full
 #: (an operator copies them), then the tool, class and who; lines are clipped
 #: at the terminal's width.

@@ -15,6 +15,11 @@ def hash_tag(value: str) -> str:
     return value.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
 
 
+def unescape_hash_tag(value: str) -> str:
+    """The inverse of :func:`hash_tag`."""
+    return value.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
+
+
 @dataclass(frozen=True)
 class Keys:
     """Key names under ``prefix``."""
@@ -33,7 +38,7 @@ class Keys:
         return f"{self.run(run_id)}:events"
 
     def run_seq(self, run_id: str) -> str:
-        """The counter that numbers a run's audit events."""
+        """The chain of a run's audit events: their counter and the newest hash."""
         return f"{self.run(run_id)}:seq"
 
     @property
