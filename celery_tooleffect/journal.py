@@ -34,6 +34,10 @@ from .keys import Keys
 from .lua import script
 from .settings import Settings
 
+#: Errors after which a script may have run on the server with its answer lost
+#: (a cut connection, a timeout): an ambiguous outcome, not a refusal.
+AMBIGUOUS = (redis.ConnectionError, redis.TimeoutError)
+
 
 class JournalState(str, enum.Enum):
     RUNNING = "running"
@@ -126,21 +130,27 @@ class Journal:
         Raises :class:`StoreUnavailable` when the journal cannot be read or
         written: the body must not run then.
         """
+        keys = self._keys(ref)
+        args: list[str | int] = [
+            token,
+            f"{time.time():.6f}",
+            f"{lease_end:.6f}",
+            effect,
+            attempts_allowed,
+            self.settings.journal_ttl,
+            self.settings.run_stream_maxlen,
+            *flatten(event),
+        ]
         try:
-            verdict, attempt, detail = script("begin_attempt")(
-                self.client,
-                self._keys(ref),
-                [
-                    token,
-                    f"{time.time():.6f}",
-                    f"{lease_end:.6f}",
-                    effect,
-                    attempts_allowed,
-                    self.settings.journal_ttl,
-                    self.settings.run_stream_maxlen,
-                    *flatten(event),
-                ],
-            )
+            try:
+                verdict, attempt, detail = script("begin_attempt")(self.client, keys, args)
+            except AMBIGUOUS:
+                # The script may have run and only its answer been lost. Sent
+                # again under the same token it answers 'started' for the
+                # intent it recorded, instead of the next delivery finding an
+                # intent nobody owns (a non-idempotent write would then be
+                # dead-lettered without ever having run).
+                verdict, attempt, detail = script("begin_attempt")(self.client, keys, args)
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
         result = Begin(Verdict(text(verdict)), int(attempt), text(detail))
@@ -167,6 +177,7 @@ class Journal:
         Raises :class:`StoreUnavailable` when nothing could be stored.
         """
         journal_fields = flatten(fields or {})
+        now = f"{time.time():.6f}"
 
         def copy(pipe: Any) -> None:
             # In the same round trip; skipped when a refusal stores nothing.
@@ -183,7 +194,7 @@ class Journal:
                     new_state.value,
                     self.settings.journal_ttl,
                     self.settings.run_stream_maxlen,
-                    f"{time.time():.6f}",
+                    now,
                     "1" if record_late else "0",
                     len(journal_fields) // 2,
                     *journal_fields,
@@ -191,12 +202,28 @@ class Journal:
                 ],
                 then=copy,
             )
+        except AMBIGUOUS as exc:
+            # The answer was lost: the script may have run. It did if the entry
+            # is in the new state with this call's exact ``updated_at``.
+            if not self._applied(ref, new_state, now):
+                raise StoreUnavailable(f"journal unavailable: {exc}") from exc
+            answer = [b"ok", b"unknown"]
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
         moved = answer[0] == b"ok"
         if moved and not record_late:
             self.audit.copy_to_global(event)
         return Transition(moved, text(answer[1]))
+
+    def _applied(self, ref: JournalRef, new_state: JournalState, updated_at: str) -> bool:
+        """Whether the transition stamped ``updated_at`` is the entry's state now."""
+        try:
+            state, stamp = self.client.hmget(
+                self.keys.journal(ref.run_id, ref.task_id), ["state", "updated_at"]
+            )
+        except redis.RedisError:
+            return False
+        return bool(state == new_state.value.encode() and stamp == updated_at.encode())
 
     def renew_lease(self, ref: JournalRef, *, token: str, lease_end: float) -> bool:
         """Push the lease of a running attempt to ``lease_end`` (never back).

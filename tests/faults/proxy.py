@@ -1,11 +1,19 @@
 """A small TCP proxy for the fault tests: loopback only, bounded, stops itself.
 
-It sits between the package's Redis clients and a Redis server. On command it
-drops every connection at once (``cut``), and it can delay every chunk it
-forwards, both ways (``latency``). A chunk already read from one side is still
-forwarded after its delay even when the other side has gone, so a command that
-a client gave up on can reach the server: that is how a reply lost after the
-server applied a script (an ambiguous outcome) is produced.
+It sits between the package's Redis clients and a Redis server and, on
+command:
+
+- drops every connection at once (``cut``);
+- delays every chunk it forwards, both ways (``latency``). A chunk already read
+  from one side is still forwarded after its delay even if the other side has
+  given up, so a command a client timed out on can still reach the server: the
+  server applies it and nobody hears the answer;
+- cuts the connection that carries a given command (``cut_on``): either after
+  the server answered it, dropping the answer (the command was applied, the
+  client cannot know), or before forwarding it (it never ran).
+
+It listens on 127.0.0.1 only, accepts a bounded number of connections, and
+stops by itself after ``lifetime`` seconds if the test does not close it.
 """
 
 from __future__ import annotations
@@ -14,7 +22,31 @@ import contextlib
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from types import TracebackType
+
+
+@dataclass
+class Trigger:
+    """Cut the connection carrying a command whose bytes hold every one of ``parts``."""
+
+    parts: tuple[bytes, ...]
+    #: True: forward the command and drop the server's answer; False: drop the command.
+    applied: bool
+    remaining: int
+    hits: int = 0
+
+    def matches(self, chunk: bytes) -> bool:
+        return self.remaining > 0 and all(part in chunk for part in self.parts)
+
+
+@dataclass(eq=False)
+class _Pair:
+    client: socket.socket
+    upstream: socket.socket
+    #: The next answer from the server is dropped and the connection cut.
+    drop_answer: bool = False
+    closed: bool = field(default=False)
 
 
 class StoreProxy:
@@ -30,9 +62,9 @@ class StoreProxy:
         self.cuts = 0
         self.dropped = 0
         self.accepted = 0
-        self.delayed = 0
+        self._triggers: list[Trigger] = []
         self._lock = threading.Lock()
-        self._pairs: set[tuple[socket.socket, socket.socket]] = set()
+        self._pairs: set[_Pair] = set()
         self._stop = threading.Event()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -61,12 +93,15 @@ class StoreProxy:
             self.cuts += 1
             self.dropped += len(pairs)
         for pair in pairs:
-            _close(*pair)
+            _close(pair)
         return len(pairs)
 
-    def open_connections(self) -> int:
+    def cut_on(self, *parts: bytes, applied: bool, times: int) -> Trigger:
+        """Cut the connections of the next ``times`` commands holding all ``parts``."""
+        trigger = Trigger(tuple(parts), applied, times)
         with self._lock:
-            return len(self._pairs)
+            self._triggers.append(trigger)
+        return trigger
 
     def close(self) -> None:
         """Stop accepting, drop every connection, and wait for the threads."""
@@ -99,53 +134,83 @@ class StoreProxy:
             with self._lock:
                 full = len(self._pairs) >= self.max_connections
             if full:
-                _close(client)
+                _close_sockets(client)
                 continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=2)
             except OSError:
-                _close(client)
+                _close_sockets(client)
                 continue
-            pair = (client, upstream)
+            pair = _Pair(client, upstream)
             with self._lock:
                 self._pairs.add(pair)
                 self.accepted += 1
-            for source, target in ((client, upstream), (upstream, client)):
-                thread = threading.Thread(target=self._pump, args=(pair, source, target),
+            self._threads = [thread for thread in self._threads if thread.is_alive()]
+            for to_server in (True, False):
+                thread = threading.Thread(target=self._pump, args=(pair, to_server),
                                           name="store-proxy-pump", daemon=True)
                 self._threads.append(thread)
                 thread.start()
-            self._threads = [thread for thread in self._threads if thread.is_alive()]
         # The lifetime is over (or close() was called): stop everything.
         self._stop.set()
         self.cut()
 
-    def _pump(self, pair: tuple[socket.socket, socket.socket], source: socket.socket,
-              target: socket.socket) -> None:
+    def _trigger_for(self, chunk: bytes) -> Trigger | None:
+        with self._lock:
+            for trigger in self._triggers:
+                if trigger.matches(chunk):
+                    trigger.remaining -= 1
+                    trigger.hits += 1
+                    return trigger
+        return None
+
+    def _drop(self, pair: _Pair) -> None:
+        with self._lock:
+            self._pairs.discard(pair)
+            self.dropped += 1
+        _close(pair)
+
+    def _pump(self, pair: _Pair, to_server: bool) -> None:
+        source, target = (
+            (pair.client, pair.upstream) if to_server else (pair.upstream, pair.client)
+        )
         source.settimeout(0.1)
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not pair.closed:
                 try:
                     chunk = source.recv(65536)
                 except TimeoutError:
                     continue
                 if not chunk:
                     break
+                if to_server:
+                    trigger = self._trigger_for(chunk)
+                    if trigger is not None and not trigger.applied:
+                        self._drop(pair)  # the command never reaches the server
+                        return
+                    if trigger is not None:
+                        pair.drop_answer = True
+                elif pair.drop_answer:
+                    self._drop(pair)  # the server applied it; its answer is lost
+                    return
                 delay = self.latency
-                if delay > 0:
-                    self.delayed += 1
-                    if self._stop.wait(delay):
-                        break
+                if delay > 0 and self._stop.wait(delay):
+                    break
                 target.sendall(chunk)
         except OSError:
             pass
         finally:
             with self._lock:
                 self._pairs.discard(pair)
-            _close(*pair)
+            _close(pair)
 
 
-def _close(*sockets: socket.socket) -> None:
+def _close(pair: _Pair) -> None:
+    pair.closed = True
+    _close_sockets(pair.client, pair.upstream)
+
+
+def _close_sockets(*sockets: socket.socket) -> None:
     for sock in sockets:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)

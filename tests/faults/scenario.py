@@ -89,9 +89,9 @@ class FaultRun:
 
     # -- driving ----------------------------------------------------------------
 
-    def submit(self, tool: str, hold: float = 0.0) -> Call:
+    def submit(self, tool: str, hold: float = 0.0, task_id: str | None = None) -> Call:
         key = uuid.uuid4().hex[:12]
-        result = self.app.send_task(tool, args=[key, hold], queue="tools")
+        result = self.app.send_task(tool, args=[key, hold], queue="tools", task_id=task_id)
         call = Call(result.id, tool, key)
         self.calls.append(call)
         return call
