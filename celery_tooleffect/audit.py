@@ -69,15 +69,28 @@ def worker_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def _safe_text(value: Any, form: Any = repr) -> str:
+    """``repr(value)`` (or ``str``), or a placeholder when that raises."""
+    try:
+        return str(form(value))
+    except Exception:
+        return f"<{type(value).__qualname__}: unrepresentable>"
+
+
 def _to_json(value: Any) -> str:
-    return json.dumps(value, default=repr, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return json.dumps(value, default=_safe_text, ensure_ascii=False, separators=(",", ":"))
+    except Exception:  # a circular structure, keys JSON cannot take
+        return json.dumps(_safe_text(value), ensure_ascii=False)
 
 
-def _mask(value: Any) -> Any:
+def _mask(value: Any, depth: int = 0) -> Any:
+    if depth > 32:  # a circular or absurdly deep structure
+        return MASK
     if isinstance(value, Mapping):
-        return {str(key): _mask(item) for key, item in value.items()}
+        return {_safe_text(key, str): _mask(item, depth + 1) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_mask(item) for item in value]
+        return [_mask(item, depth + 1) for item in value]
     return MASK
 
 
@@ -91,11 +104,17 @@ def describe_payload(privacy: str, **values: Any) -> dict[str, str]:
     for name, value in values.items():
         if value is None:
             continue
-        text = str(value) if isinstance(value, BaseException) else _to_json(value)
+        # Never raises: a value whose repr or str raises, a circular structure
+        # or keys JSON cannot take are described by a placeholder text.
+        is_error = isinstance(value, BaseException)
+        text = _safe_text(value, str) if is_error else _to_json(value)
         if privacy == "full":
             fields[name] = text[:FULL_VALUE_LIMIT]
         elif privacy == "redacted":
-            fields[name] = MASK if isinstance(value, BaseException) else _to_json(_mask(value))
+            try:
+                fields[name] = MASK if is_error else _to_json(_mask(value))
+            except Exception:
+                fields[name] = MASK
         else:
             fields[f"{name}_size"] = str(len(text.encode("utf-8", "replace")))
     return fields

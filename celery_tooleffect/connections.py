@@ -37,6 +37,9 @@ def redis_client(url: str, socket_timeout: float) -> redis.Redis:
                     retry_on_timeout=False,
                     retry=Retry(NoBackoff(), 0),
                     decode_responses=False,
+                    # Text that is not valid UTF-8 (a lone surrogate from a JSON
+                    # message) is stored escaped, never refused by the encoder.
+                    encoding_errors="backslashreplace",
                 )
                 _clients[key] = client
     return client

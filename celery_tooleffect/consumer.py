@@ -152,11 +152,11 @@ class RefusedMessages:
 
         def on_unknown_message(body: Any, message: Any) -> None:
             if self.dead_letter(message, body, DeadLetterReason.UNKNOWN_TASK, None):
-                unknown_message(body, message)
+                _drop(unknown_message, message, body, message)
 
         def on_unknown_task(body: Any, message: Any, exc: BaseException) -> None:
             if self.dead_letter(message, body, DeadLetterReason.UNKNOWN_TASK, exc):
-                unknown_task(body, message, exc)
+                _drop(unknown_task, message, body, message, exc)
 
         def on_invalid_task(body: Any, message: Any, exc: BaseException) -> None:
             reason = (
@@ -165,11 +165,11 @@ class RefusedMessages:
                 else DeadLetterReason.MALFORMED_MESSAGE
             )
             if self.dead_letter(message, body, reason, exc):
-                invalid_task(body, message, exc)
+                _drop(invalid_task, message, body, message, exc)
 
         def on_decode_error(message: Any, exc: BaseException) -> None:
             if self.dead_letter(message, None, DeadLetterReason.UNDECODABLE_MESSAGE, exc):
-                decode_error(message, exc)
+                _drop(decode_error, message, message, exc)
 
         consumer.on_unknown_message = on_unknown_message
         consumer.on_unknown_task = on_unknown_task
@@ -234,6 +234,29 @@ class RefusedMessages:
             except Exception as exc:
                 logger.warning("could not schedule the requeue, requeueing now: %s", exc)
         _requeue(message)
+
+
+def _drop(handler: Callable[..., Any], message: Any, *args: Any) -> None:
+    """Let Celery's own handler drop a message whose dead letter is stored.
+
+    Celery's handlers trust the message too: ``on_unknown_task`` marks the
+    task failed on the result backend, which raises for an id that is not
+    text (None, a number) *after* rejecting the message, and the error would
+    stop the worker. The letter is stored, so the message may go: it is
+    rejected here if the handler failed before doing so.
+    """
+    try:
+        handler(*args)
+    except Exception:
+        logger.exception("Celery's handler failed on a refused message that is dead-lettered "
+                         "already; dropping the message")
+        try:
+            if not message.acknowledged:
+                message.reject(requeue=False)
+        except Exception as exc:
+            logger.error("refused message %s not dropped (%s: %s); the broker restores it "
+                         "after the visibility timeout and it is dropped then",
+                         getattr(message, "delivery_tag", "?"), type(exc).__name__, exc)
 
 
 def _requeue(message: Any) -> None:

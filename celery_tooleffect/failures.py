@@ -120,8 +120,11 @@ def _class_for_status(status: int) -> FailureClass:
 
 
 def _http_status(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", None)
+    try:
+        response = getattr(exc, "response", None)
+        status = getattr(response, "status_code", None)
+    except Exception:
+        return None
     return status if isinstance(status, int) else None
 
 
@@ -147,7 +150,17 @@ class FailureClassifier:
         self._registered[exc_type] = FailureClass.coerce(failure_class)
 
     def classify(self, exc: BaseException) -> FailureClass:
-        """The class of ``exc``; UNKNOWN when nothing recognises it."""
+        """The class of ``exc``; UNKNOWN when nothing recognises it. Never raises.
+
+        (An exception's attributes may be properties that raise; the decision
+        to retry or dead-letter must still be taken.)
+        """
+        try:
+            return self._classify(exc)
+        except Exception:
+            return FailureClass.UNKNOWN
+
+    def _classify(self, exc: BaseException) -> FailureClass:
         declared = self._declared(exc)
         if declared is not None:
             return declared
@@ -162,7 +175,10 @@ class FailureClassifier:
 
     @staticmethod
     def _declared(exc: BaseException) -> FailureClass | None:
-        declared = getattr(exc, "failure_class", None)
+        try:
+            declared = getattr(exc, "failure_class", None)
+        except Exception:
+            return None
         if declared is None:
             return None
         try:

@@ -27,7 +27,10 @@ class Keys:
     prefix: str = "tooleffect:"
 
     def run(self, run_id: str) -> str:
-        return f"{self.prefix}{{{hash_tag(run_id)}}}"
+        # Redis ignores an empty tag ("{}") and hashes the whole key, which
+        # would scatter an empty run id's keys over slots; a lone "%" is what
+        # no escaped id can be.
+        return f"{self.prefix}{{{hash_tag(run_id) or '%'}}}"
 
     def journal(self, run_id: str, task_id: str) -> str:
         """The journal entry (a hash) of one task of a run."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from billiard.einfo import ExceptionInfo
 from billiard.exceptions import WorkerLostError
-from celery.exceptions import Retry, TimeLimitExceeded
+from celery.exceptions import InvalidTaskError, Retry, TimeLimitExceeded
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.transport.virtual.base import QoS as VirtualQoS
@@ -41,6 +41,7 @@ from .effect import ToolEffect
 from .errors import DeadLettered, LeaseLost, RetriesExhausted, StoreUnavailable
 from .journal import JournalState
 from .runtime import ToolRuntime, build_letter, runtime_for
+from .strategy import check_request, request_built
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,18 @@ class ToolRequest(Request):  # type: ignore[misc]
     """The request class of every ``ToolTask``."""
 
     def __init__(self, message: Any, **kwargs: Any) -> None:
-        super().__init__(message, **kwargs)
+        # A message of the wrong shape is refused as InvalidTaskError, which
+        # the consumer step dead-letters (see celery_tooleffect.strategy).
+        try:
+            super().__init__(message, **kwargs)
+        except InvalidTaskError:
+            raise
+        except Exception as exc:
+            raise InvalidTaskError(
+                f"unreadable task message: {type(exc).__name__}: {exc}"
+            ) from exc
+        check_request(self._request_dict, self._payload)
+        request_built(message)
         self._tooleffect_token = uuid.uuid4().hex
         self._tooleffect_done = False
         self._tooleffect_failure_class: str | None = None

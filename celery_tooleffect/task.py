@@ -101,6 +101,7 @@ class ToolTask(Task):  # type: ignore[misc]
     retry_on_worker_lost = False
     acks_on_failure_or_timeout = False
     Request = "celery_tooleffect.request:ToolRequest"
+    Strategy = "celery_tooleffect.strategy:tool_strategy"
 
     _signature: ClassVar[inspect.Signature | None] = None
 
