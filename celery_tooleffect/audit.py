@@ -223,7 +223,8 @@ class AuditLog:
 
     @property
     def client(self) -> redis.Redis:
-        return redis_client(self.settings.redis_url, self.settings.socket_timeout)
+        return redis_client(self.settings.redis_url, self.settings.socket_timeout,
+                            cluster=self.settings.redis_cluster)
 
     def record_step(self, event: Mapping[str, Any]) -> bool:
         """Append ``event`` to its run's stream. Never raises; True if stored.

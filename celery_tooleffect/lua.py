@@ -7,6 +7,7 @@ the server answers NOSCRIPT (first use, or after a restart or SCRIPT FLUSH).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 from collections.abc import Callable, Sequence
@@ -14,6 +15,7 @@ from importlib import resources
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 KeyOrArg = str | bytes | int | float
@@ -49,6 +51,16 @@ class LuaScript:
         even when the script fails (a second time when the script had to be
         loaded first). Connection errors raise as usual.
         """
+        if isinstance(client, RedisCluster):
+            # A cluster pipeline refuses scripts (and ``then``'s commands may
+            # be on another node anyway): two round trips there.
+            try:
+                return self(client, keys, args)
+            finally:
+                with contextlib.suppress(Exception):
+                    pipe = client.pipeline(transaction=False)
+                    then(pipe)
+                    pipe.execute(raise_on_error=False)
         for _ in range(2):
             pipe = client.pipeline(transaction=False)
             pipe.evalsha(self.sha, len(keys), *keys, *args)

@@ -23,6 +23,7 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://")
 
 DEFAULTS: dict[str, Any] = {
     "tooleffect_redis_url": None,
+    "tooleffect_redis_cluster": False,
     "tooleffect_key_prefix": "tooleffect:",
     "tooleffect_max_retries": 3,
     "tooleffect_backoff_base": 30.0,
@@ -60,6 +61,8 @@ class Settings:
     heartbeat_interval: float | None
     rabbitmq_consumer_timeout: float
     broker_transport_options: Mapping[str, Any] = field(default_factory=dict)
+    #: The store (``redis_url``) is a Redis Cluster (``tooleffect_redis_cluster``).
+    redis_cluster: bool = False
 
     def backoff(self, retries: int) -> float:
         """Seconds to wait before retry number ``retries + 1``."""
@@ -118,6 +121,19 @@ def _read(app: Celery) -> Settings:
         broker_url if broker_is_redis else "redis://127.0.0.1:6379/0"
     )
     transport_options = dict(conf.broker_transport_options or {})
+    redis_cluster = bool(get("tooleffect_redis_cluster"))
+    if redis_cluster and not broker_is_redis:
+        # Dead letters would then be kept in the store, and their indexes
+        # (every queue, every reason) are not in one hash slot.
+        raise ValueError(
+            "tooleffect_redis_cluster needs a Redis broker: dead letters are kept in the "
+            "broker's Redis, and cannot be kept in a cluster"
+        )
+    if redis_cluster and not conf.get("tooleffect_redis_url"):
+        raise ValueError(
+            "tooleffect_redis_cluster needs tooleffect_redis_url (a node of the cluster): "
+            "the broker's Redis cannot be a cluster"
+        )
     privacy = str(get("tooleffect_privacy")).lower()
     if privacy not in PRIVACY_LEVELS:
         raise ValueError(f"tooleffect_privacy must be one of {PRIVACY_LEVELS}, not {privacy!r}")
@@ -143,4 +159,5 @@ def _read(app: Celery) -> Settings:
         ),
         rabbitmq_consumer_timeout=float(get("tooleffect_rabbitmq_consumer_timeout")),
         broker_transport_options=transport_options,
+        redis_cluster=redis_cluster,
     )
