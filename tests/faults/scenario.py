@@ -38,6 +38,7 @@ from celery import Celery
 from celery_tooleffect import AuditLog, DeadLetters
 from celery_tooleffect.dead_letters import DeadLetter
 from celery_tooleffect.journal import JournalRef
+from celery_tooleffect.lua import script
 from celery_tooleffect.runtime import runtime_for
 from tests.conftest import free_port, redis_server_binary, wait_for
 
@@ -231,6 +232,21 @@ class Summary:
             f"executions[{executions}] duplicates={self.duplicates} lost={self.lost} "
             f"dead_letters={letters}"
         )
+
+
+def broker_holds(broker: redis.Redis, prefix: str) -> int:
+    """Messages of the tools queue still in the broker, waiting or unacknowledged."""
+    return int(broker.llen(f"{prefix}tools")) + int(broker.hlen(f"{prefix}unacked"))
+
+
+def load_scripts(client: redis.Redis) -> None:
+    """Load the journal's scripts into a store beforehand, as a store in use has them.
+
+    Then a script the worker gave up on (a timeout, a cut) runs when it
+    arrives, instead of being answered NOSCRIPT.
+    """
+    for name in ("begin_attempt", "transition", "renew_lease", "append_event"):
+        client.script_load(script(name).text)
 
 
 # -- redis-server processes a test can crash and restart -------------------------------

@@ -28,7 +28,7 @@ from celery import Celery
 from celery_tooleffect.lua import script
 from tests.conftest import RedisServer, WorkerProcess, wait_for
 from tests.faults.proxy import StoreProxy
-from tests.faults.scenario import Call, FaultRun
+from tests.faults.scenario import Call, FaultRun, load_scripts
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -78,10 +78,7 @@ def targeted(
     """Run the six writes (and three reads) with the given script's connection cut."""
     run = FaultRun(f"store connection cut mid-script ({name})",
                    make_app(tooleffect_redis_url=store.url), main, prefix)
-    for name in ("begin_attempt", "transition"):
-        # Loaded beforehand, so that a cut EVALSHA is the script itself, never
-        # a NOSCRIPT answer.
-        store.client().script_load(script(name).text)
+    load_scripts(store.client())  # a cut EVALSHA is then the script, never NOSCRIPT
     with StoreProxy(store.port, lifetime=170) as proxy:
         worker = spawn_worker(concurrency=3, visibility_timeout=VT, store_url=proxy.url())
         # One cut per write: the first time its script goes out, never again.

@@ -29,7 +29,7 @@ import redis
 from celery import Celery
 
 from tests.conftest import RedisServer, WorkerProcess, wait_for
-from tests.faults.scenario import FaultRun, closed_port
+from tests.faults.scenario import FaultRun, broker_holds, closed_port
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -94,11 +94,6 @@ def fault_run(make_app: Callable[..., Celery], main: redis.Redis, prefix: str,
               store: RedisServer, scenario: str) -> FaultRun:
     reader = make_app(tooleffect_redis_url=store.url)
     return FaultRun(scenario, reader, main, prefix)
-
-
-def broker_holds(main: redis.Redis, prefix: str) -> int:
-    """Messages of the tools queue still in the broker, waiting or unacknowledged."""
-    return int(main.llen(f"{prefix}tools")) + int(main.hlen(f"{prefix}unacked"))
 
 
 MODES = ["oom", "acl", "replica"]
