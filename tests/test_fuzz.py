@@ -425,6 +425,31 @@ def test_malformed_messages_are_dead_lettered_and_the_worker_keeps_running(
     assert_still_working(tool)
 
 
+def test_wrong_argument_types_end_as_a_clear_failure(
+    app: Celery, tool: Any, counter: Counter,
+) -> None:
+    """The signature fits, the types do not: the body raises TypeError, a class
+    nothing retries (``unknown``), so the write is dead-lettered ``not_retryable``."""
+
+    @app.task(base=ToolTask, name="fuzz.add", shared=False, bind=True,
+              effect=ToolEffect.IDEMPOTENT_WRITE)
+    def add(self: Any, a: int, b: int) -> int:
+        counter.hit(str(self.request.id))
+        return a + b
+
+    with running_worker(app):
+        task_id = uuid.uuid4().hex
+        publish(app, (["1", None], {}, EMBED), headers_for(app, task_id, name="fuzz.add"),
+                serializer="json")
+        how, letter = ending(app, task_id)
+        assert how == "dead_letter", (how, letter)
+        assert (letter.reason, letter.failure_class, letter.exception_type) == (
+            "not_retryable", "unknown", "TypeError")
+        assert counter.value(task_id) == 1
+        assert add.delay(1, 2).get(timeout=20) == 3
+        assert_still_working(tool)
+
+
 @pytest.mark.parametrize("task_id", [None, 12345, ""], ids=["none", "number", "empty"])
 def test_an_unknown_task_without_a_usable_id_does_not_stop_the_worker(
     app: Celery, tool: Any, worker: Any, main_redis: redis.Redis, task_id: Any,
