@@ -233,17 +233,19 @@ def ending(app: Celery, task_id: str) -> tuple[str, Any]:
     """How ``task_id`` ended: ``("dead_letter", letter)`` or ``(state, result)``.
 
     Waits (bounded) until it has ended; a dead letter wins over a backend
-    state, since a dead-lettered task is also marked failed.
+    state, since a dead-lettered task is also marked failed (after its letter
+    is stored: so the letter is looked for again once a state is seen).
     """
     letters = DeadLetters(app)
 
     def ended() -> tuple[str, Any] | None:
+        result = app.AsyncResult(task_id)
+        state = result.state
         letter = letters.get(task_id)
         if letter is not None:
             return "dead_letter", letter
-        result = app.AsyncResult(task_id)
-        if result.state in ("SUCCESS", "FAILURE", "REVOKED"):
-            return result.state, result.result
+        if state in ("SUCCESS", "FAILURE", "REVOKED"):
+            return state, result.result
         return None
 
     found: tuple[str, Any] = wait_for(ended, timeout=20, what=f"{task_id} to end")
