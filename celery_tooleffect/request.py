@@ -10,6 +10,11 @@ limit never runs task code again, so these endings are decided here:
 - everything else is published again as a retry (counted against the same
   budget as failures) and dead-lettered RETRIES_EXHAUSTED once it is spent.
 
+A failure that no tool decision produced (Celery could not store the result
+after the body returned, a signal handler raised) is ended the same way, with
+a journal that says the outcome was recorded acknowledged as is: Celery would
+otherwise delete the message of a read whose result was never stored.
+
 It also forgets, without acknowledging, a message whose attempt lost its
 lease (see :class:`~celery_tooleffect.errors.LeaseLost`), and adds the failure
 class to the ``task-failed`` event that Flower shows.
@@ -21,9 +26,16 @@ import logging
 import uuid
 from typing import Any
 
-from billiard.einfo import ExceptionInfo
+from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
-from celery.exceptions import InvalidTaskError, Retry, TimeLimitExceeded
+from celery.exceptions import (
+    Ignore,
+    InvalidTaskError,
+    Reject,
+    Retry,
+    Terminated,
+    TimeLimitExceeded,
+)
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.transport.virtual.base import QoS as VirtualQoS
@@ -107,7 +119,11 @@ class ToolRequest(Request):  # type: ignore[misc]
     ) -> Any:
         if self._tooleffect_done:
             return None
-        exc = getattr(exc_info.exception, "exc", exc_info.exception)
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            # Only the pool's wrapper is unwrapped: a Retry carries the error
+            # it retries for in ``exc`` too, and must stay a Retry.
+            exc = exc.exc
         if isinstance(exc, LeaseLost):
             self._tooleffect_done = True
             worker_state.task_ready(self)
@@ -118,6 +134,15 @@ class ToolRequest(Request):  # type: ignore[misc]
         )
         if lost_child or isinstance(exc, TimeLimitExceeded):
             return self._on_interrupted(exc)
+        if not isinstance(exc, (Reject, Retry, Ignore, Terminated, MemoryError)):
+            # Every ending a tool decides is a Retry, a Reject or an Ignore:
+            # this failure came from outside its decisions (the result backend
+            # could not store the result, a signal handler raised ...). Celery
+            # would delete the message; the journal decides instead, as for an
+            # interruption: a recorded outcome is acknowledged, a read or an
+            # idempotent write runs again, a started non-idempotent write is
+            # dead-lettered.
+            return self._on_interrupted(exc, why="outside_body")
         try:
             self._tooleffect_failure_class = self.runtime.classifier.classify(exc).value
         except Exception:
@@ -139,12 +164,12 @@ class ToolRequest(Request):  # type: ignore[misc]
             fields.setdefault("failure_class", self._tooleffect_failure_class)
         return super().send_event(type, **fields)
 
-    def _on_interrupted(self, exc: BaseException) -> None:
-        """The child died or hit its hard limit: decide the attempt's ending."""
+    def _on_interrupted(self, exc: BaseException, why: str | None = None) -> None:
+        """The child died, hit its hard limit, or failed outside the tool's decisions."""
         self._tooleffect_done = True
         runtime = self.runtime
         attempt = self._attempt()
-        why = "time_limit" if isinstance(exc, TimeLimitExceeded) else "worker_lost"
+        why = why or ("time_limit" if isinstance(exc, TimeLimitExceeded) else "worker_lost")
         failure_class = runtime.classifier.classify(exc)
         event = attempt.context.event(
             "interrupted", why, exception=exc, failure_class=failure_class.value

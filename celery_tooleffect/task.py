@@ -325,9 +325,13 @@ class ToolTask(Task):  # type: ignore[misc]
             payload=_payload(privacy, args=args, kwargs=kwargs, result=result),
         )
         try:
+            # 'absent': the entry this attempt's intent created is gone (a store
+            # restarted without persistence, an evicted key). Only this owner
+            # knows how the write ended; recording it keeps a redelivery of the
+            # message from running the write a second time.
             moved = runtime.journal.transition(
-                attempt.ref, new_state=JournalState.SUCCEEDED, allowed=[JournalState.RUNNING],
-                token=attempt.token, event=event,
+                attempt.ref, new_state=JournalState.SUCCEEDED,
+                allowed=[JournalState.RUNNING, "absent"], token=attempt.token, event=event,
             )
         except StoreUnavailable as store_down:
             failed = AuditPersistenceFailed(
