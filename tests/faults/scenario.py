@@ -50,6 +50,8 @@ TOOLS = {
     "tools.write_deadline": "non_idempotent_write",
 }
 EFFECTS = ("read_only", "idempotent_write", "non_idempotent_write")
+#: The summary lines of the scenarios run in this session (see conftest.py).
+REPORTED: list[str] = []
 #: Three calls of each effect; one NON_IDEMPOTENT_WRITE has an operation_deadline
 #: (so its lease is secured and a heartbeat runs while its body does).
 MIX = (
@@ -208,8 +210,10 @@ class FaultRun:
         return "\n".join(lines)
 
     def report(self) -> Summary:
+        """Print the scenario's summary line (and keep it for the session's summary)."""
         summary = self.summary()
         print(summary.line())
+        REPORTED.append(summary.line())
         return summary
 
 

@@ -55,7 +55,7 @@ def test_broker_restarts_with_aof_while_calls_run(
         run.settle(timeout=120)
         run.report()
         assert run.problems() == [], run.diagnose([worker.output()])
-        assert worker.process.poll() is None, "the worker survived the restarts"
+        assert worker.process.poll() is None, "the worker exited during the restarts"
 
 
 def test_store_restarts_without_persistence_while_writes_run(

@@ -27,6 +27,7 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_tooleffect.operations import DeadLetterOperations, Outcome
 from tests.conftest import RedisServer, WorkerProcess, wait_for
 from tests.faults.proxy import StoreProxy
 from tests.faults.scenario import FaultRun, broker_holds, load_scripts
@@ -107,6 +108,14 @@ def test_slow_between_intent_and_outcome_writes_fail_closed(
             run.deliver_again(call)
         wait_for(lambda: broker_holds(main_redis, prefix) == 0, timeout=30,
                  what="the second deliveries to be acknowledged")
+        # Nor does an operator's forced replay run a non-idempotent one again.
+        operations = DeadLetterOperations(run.app)
+        for call in writes:
+            if call.effect == "non_idempotent_write":
+                replay = operations.replay(call.task_id, actor="fault-test", force=True,
+                                           reason="does the journal refuse it?")
+                assert replay.outcome is Outcome.REFUSED, replay
+                assert "outcome was recorded" in replay.message, replay
     run.report()
     assert run.problems() == [], run.diagnose([worker.output()])
     for call in calls:
