@@ -67,10 +67,14 @@ def configuration_errors(app: Any, settings: Settings) -> list[str]:
 
 def persistence_warnings(settings: Settings) -> list[str]:
     """Redis servers the guarantees rely on that keep nothing on disk."""
-    urls = {settings.redis_url: "the journal and audit store"}
-    urls.setdefault(settings.dead_letter_url, "the dead-letter store")
+    consequence = "the journal is gone and an interrupted write could run again"
+    urls = {settings.redis_url: ("the journal and audit store", consequence)}
+    urls.setdefault(settings.dead_letter_url, (
+        "the dead-letter store",
+        "dead letters are gone and their tasks cannot be replayed or inspected",
+    ))
     warnings = []
-    for url, role in urls.items():
+    for url, (role, lost) in urls.items():
         try:
             config = redis_client(url, settings.socket_timeout).config_get("appendonly")
             config.update(redis_client(url, settings.socket_timeout).config_get("save"))
@@ -82,7 +86,7 @@ def persistence_warnings(settings: Settings) -> list[str]:
         if not (appendonly or snapshots):
             warnings.append(
                 f"{role} ({url.split('@')[-1]}) persists nothing (no AOF, no RDB snapshots): "
-                "after a restart the journal is gone and an interrupted write could run again"
+                f"after a restart {lost}"
             )
     return warnings
 
