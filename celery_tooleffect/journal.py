@@ -69,6 +69,9 @@ class Begin:
     verdict: Verdict
     attempt: int
     detail: str
+    #: For STARTED: the intent event, whose copy to the global stream is left
+    #: to travel with the attempt's outcome (see ``Journal.transition``).
+    intent_event: Mapping[str, str] | None = None
 
     @property
     def owner_lease_end(self) -> float:
@@ -154,7 +157,10 @@ class Journal:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
         result = Begin(Verdict(text(verdict)), int(attempt), text(detail))
-        if result.verdict in (Verdict.STARTED, Verdict.DONE, Verdict.DEAD_LETTERED):
+        if result.verdict is Verdict.STARTED:
+            # Saves a round trip on the hot path: the copy rides with the outcome.
+            return Begin(result.verdict, result.attempt, result.detail, intent_event=event)
+        if result.verdict in (Verdict.DONE, Verdict.DEAD_LETTERED):
             self.audit.copy_to_global(event)
         return result
 
@@ -168,6 +174,7 @@ class Journal:
         token: str = "",
         fields: Mapping[str, str] | None = None,
         record_late: bool = True,
+        earlier_copy: Mapping[str, str] | None = None,
     ) -> Transition:
         """Move the entry to ``new_state`` and store ``event``, atomically.
 
@@ -175,12 +182,16 @@ class Journal:
         another attempt or is in a state not in ``allowed``: the event is then
         stored as a ``late_outcome`` (unless ``record_late`` is false).
         Raises :class:`StoreUnavailable` when nothing could be stored.
+        ``earlier_copy`` is an event stored before (the attempt's intent)
+        whose global-stream copy goes first in the same round trip.
         """
         journal_fields = flatten(fields or {})
         now = f"{time.time():.6f}"
 
         def copy(pipe: Any) -> None:
             # In the same round trip; skipped when a refusal stores nothing.
+            if earlier_copy is not None:
+                self.audit.queue_global_copy(pipe, earlier_copy)
             if record_late:
                 self.audit.queue_global_copy(pipe, event)
 

@@ -304,8 +304,15 @@ class ToolTask(Task):  # type: ignore[misc]
         number = begin.attempt
         started = time.monotonic()
         try:
-            with self._heartbeat(attempt, plan):
-                result = self.run(*args, **kwargs)
+            try:
+                with self._heartbeat(attempt, plan):
+                    result = self.run(*args, **kwargs)
+            except BaseException:
+                # The intent's global-stream copy normally rides with the
+                # outcome (one round trip less); on a failure it goes alone.
+                if begin.intent_event is not None:
+                    runtime.audit.copy_to_global(begin.intent_event)
+                raise
         except Retry as requested:
             # The tool called self.retry(): the attempt ends here, by choice.
             self._settle(
@@ -332,6 +339,7 @@ class ToolTask(Task):  # type: ignore[misc]
             moved = runtime.journal.transition(
                 attempt.ref, new_state=JournalState.SUCCEEDED,
                 allowed=[JournalState.RUNNING, "absent"], token=attempt.token, event=event,
+                earlier_copy=begin.intent_event,
             )
         except StoreUnavailable as store_down:
             failed = AuditPersistenceFailed(
