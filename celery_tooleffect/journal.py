@@ -131,7 +131,10 @@ class Journal:
         """Record the intent of an attempt, or say why this delivery must not run.
 
         Raises :class:`StoreUnavailable` when the journal cannot be read or
-        written: the body must not run then.
+        written: the body must not run then. For STARTED the intent's copy to
+        the global stream is not sent here: pass ``Begin.intent_event`` as
+        ``earlier_copy`` to the transition that records the outcome (or to
+        ``AuditLog.copy_to_global``), so a write costs one round trip less.
         """
         keys = self._keys(ref)
         args: list[str | int] = [

@@ -154,6 +154,7 @@ def test_journal_and_audit_scripts_on_a_cluster(cluster: Cluster, cluster_app: C
         moved = journal.transition(
             ref, new_state=JournalState.SUCCEEDED, allowed=[JournalState.RUNNING], token="t1",
             event=context.event("outcome", "succeeded", attempt=1),
+            earlier_copy=begin.intent_event,
         )
         assert moved and moved.previous_state == "running"
         assert audit.record_step(context.event("note", "after"))
