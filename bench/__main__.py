@@ -1,0 +1,182 @@
+"""``python -m bench``: the price of safety, measured side by side with plain Celery.
+
+Starts a private redis-server and real ``celery worker`` processes (prefork),
+runs every phase, prints Markdown tables (as in ``bench/README.md``) and exits
+non-zero if any call did not end as it should. ``--smoke`` runs a few hundred
+calls and small data sets: it checks that the program works, and its figures
+mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from .app import IDLE_QUEUE, LATENCY_QUEUE, VARIANTS, config
+from .calls import (
+    CountingClient,
+    VariantFigures,
+    latency_rounds,
+    producer_app,
+    round_trip_counts,
+    throughput_rounds,
+)
+from .proxy import CountingProxy
+from .report import (
+    calls_table,
+    commands_detail,
+    cpu_table,
+    machine,
+    operations_table,
+    round_trips_table,
+)
+from .servers import RedisServer, redis_server, wait_ready, worker_environment, workers
+from .store_scale import Timed, audit_read, dead_letter_operations
+
+SMOKE = {
+    "rounds": 2, "calls": 100, "warmup": 20, "latency_rounds": 1, "latency_calls": 20,
+    "rt_small": 20, "rt_large": 60, "letters": 2000, "replay": 200, "small_letters": 100,
+    "global_events": 5000, "run_events": 100,
+}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--smoke", action="store_true", help="A few hundred calls: checks the program works.")
+    add("--phases", default="calls,round-trips,dead-letters,audit",
+        help="Comma-separated phases to run (default: all).")
+    add("--rounds", type=int, default=5, help="Throughput rounds per variant.")
+    add("--calls", type=int, default=5000, help="Calls per throughput round.")
+    add("--warmup", type=int, default=1000, help="Calls of the discarded warm-up round.")
+    add("--latency-rounds", type=int, default=5)
+    add("--latency-calls", type=int, default=400, help="Calls per latency round.")
+    add("--rt-small", type=int, default=100, help="Calls of the round trips' small batch.")
+    add("--rt-large", type=int, default=600, help="Calls of the round trips' large batch.")
+    add("--workers", type=int, default=1, help="celery worker processes.")
+    add("--concurrency", type=int, default=2, help="Pool processes per worker.")
+    add("--prefetch", type=int, default=4, help="worker_prefetch_multiplier.")
+    add("--letters", type=int, default=100_000, help="Dead letters stored.")
+    add("--replay", type=int, default=10_000, help="READ_ONLY letters replayed in bulk.")
+    add("--small-letters", type=int, default=1000,
+        help="Letters stored when the CLI's memory is first measured.")
+    add("--global-events", type=int, default=1_000_000)
+    add("--run-events", type=int, default=1000)
+    add("--no-appendonly", dest="appendonly", action="store_false",
+        help="Run Redis without AOF (default: AOF, fsync every second).")
+    add("--json", type=Path, help="Also write every figure to this JSON file.")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for name, value in SMOKE.items():
+            setattr(args, name, value)
+    return args
+
+
+def say(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def call_phases(args: argparse.Namespace, server: RedisServer, phases: set[str],
+                logdir: Path) -> dict[str, VariantFigures]:
+    prefix = f"bench:{uuid.uuid4().hex[:8]}:"
+    figures = {variant: VariantFigures(variant) for variant in VARIANTS}
+    poller = CountingClient(server.client())
+    quiet = producer_app(prefix, server.url, with_results=False)
+    if "calls" in phases:
+        environment = worker_environment(prefix, server.url, prefetch=args.prefetch)
+        with workers(args.workers, args.concurrency, environment, logdir,
+                     f"{IDLE_QUEUE},{LATENCY_QUEUE}") as started:
+            wait_ready(quiet, started)
+            throughput_rounds(quiet, started, prefix, poller, figures, rounds=args.rounds,
+                              calls=args.calls, warmup=args.warmup, progress=say)
+            latency_rounds(producer_app(prefix, server.url, with_results=True), figures,
+                           rounds=args.latency_rounds, calls=args.latency_calls, progress=say)
+    if "round-trips" in phases:
+        with CountingProxy(server.port) as broker, CountingProxy(server.port) as backend, \
+                CountingProxy(server.port) as store:
+            proxies = {"broker": broker, "backend": backend, "store": store}
+            environment = worker_environment(prefix, broker.url, backend=backend.url,
+                                             store=store.url, prefetch=args.prefetch)
+            with workers(args.workers, args.concurrency, environment, logdir,
+                         IDLE_QUEUE) as started:
+                wait_ready(quiet, started)
+                round_trip_counts(quiet, [worker.name for worker in started], prefix, poller,
+                                  server.client(), proxies, figures, small=args.rt_small,
+                                  large=args.rt_large, progress=say)
+    return figures
+
+
+def store_phases(args: argparse.Namespace, server: RedisServer,
+                 phases: set[str]) -> list[Timed]:
+    timed: list[Timed] = []
+    prefix = f"bench:{uuid.uuid4().hex[:8]}:"
+    global_maxlen = max(args.global_events, 100_000)
+    app = Celery("bench-operator", set_as_current=False)
+    app.conf.update(config(prefix, server.url, global_maxlen=global_maxlen))
+    environment = worker_environment(prefix, server.url)
+    if "dead-letters" in phases:
+        timed += dead_letter_operations(app, environment, letters_count=args.letters,
+                                        replay_count=args.replay,
+                                        small_count=args.small_letters, progress=say)
+    if "audit" in phases:
+        timed += audit_read(app, environment, global_events=args.global_events,
+                            run_events=args.run_events, progress=say)
+    return timed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    phases = {phase.strip() for phase in args.phases.split(",") if phase.strip()}
+    unknown = phases - {"calls", "round-trips", "dead-letters", "audit"}
+    if unknown:
+        raise SystemExit(f"unknown phase(s): {', '.join(sorted(unknown))}")
+    logdir = Path(tempfile.mkdtemp(prefix="tooleffect-bench-"))
+    say(f"worker logs in {logdir}")
+    started = time.monotonic()
+    command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    results: dict[str, Any] = {"machine": machine(), "command": command.strip()}
+    sections = [f"Machine: {results['machine']}", f"Command: `{results['command']}`",
+                f"Redis: {'AOF, fsync every second' if args.appendonly else 'no persistence'}"
+                f"; workers: {args.workers} x prefork concurrency {args.concurrency}, "
+                f"prefetch multiplier {args.prefetch}"]
+    if phases & {"calls", "round-trips"}:
+        with redis_server(appendonly=args.appendonly) as server:
+            figures = call_phases(args, server, phases, logdir)
+        results["variants"] = {name: asdict(figure) for name, figure in figures.items()}
+        if "calls" in phases:
+            sections.append(f"Throughput: median of {args.rounds} rounds of {args.calls:,} "
+                            f"calls; latency: {args.latency_rounds} rounds of "
+                            f"{args.latency_calls} calls, one at a time, publish to "
+                            f"date_done\n\n" + calls_table(figures)
+                            + "\n\nCPU microseconds per call in the throughput rounds "
+                            "(median; in brackets: more than the baseline)\n\n"
+                            + cpu_table(figures))
+        if "round-trips" in phases:
+            sections.append(f"Round trips and Redis commands per successful call "
+                            f"(batches of {args.rt_small} and {args.rt_large})\n\n"
+                            + round_trips_table(figures) + "\n\n" + commands_detail(figures))
+    if phases & {"dead-letters", "audit"}:
+        with redis_server(appendonly=args.appendonly) as server:
+            timed = store_phases(args, server, phases)
+        results["operations"] = [asdict(entry) for entry in timed]
+        sections.append(f"Operator commands ({args.letters:,} dead letters; audit: "
+                        f"{args.global_events:,} events in the global stream)\n\n"
+                        + operations_table(timed))
+    sections.append(f"Took {time.monotonic() - started:.0f} s.")
+    print("\n\n".join(sections))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The Celery app the benchmark's ``celery worker`` processes run.
+
+One trivial body, five ways to run it: a plain Celery task with
+``acks_late=True`` (the baseline) and the four ``ToolTask`` variants the
+benchmark compares with it. The body does nothing on purpose: what is measured
+is the price the package adds to every call, not the work of a tool.
+
+Configured from the environment by ``bench.servers``: ``BENCH_PREFIX`` (every key
+of the run), ``BENCH_BROKER``, ``BENCH_BACKEND`` and ``BENCH_STORE`` (the
+Redis URLs of the broker, the result backend and the package's store: the
+round-trip phase points each at its own counting proxy), and
+``BENCH_PREFETCH`` (Celery's ``worker_prefetch_multiplier``), and
+``BENCH_GLOBAL_MAXLEN`` (the audit phase fills the global stream past the
+default cap of 100,000).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from celery import Celery
+
+from celery_tooleffect import ToolEffect, ToolTask
+
+#: The queue every worker listens to when it is not measuring anything.
+IDLE_QUEUE = "bench-idle"
+#: The queue of the latency rounds (one call at a time).
+LATENCY_QUEUE = "bench-latency"
+
+
+def config(
+    prefix: str,
+    broker: str,
+    *,
+    backend: str | None = None,
+    store: str | None = None,
+    prefetch: int = 4,
+    global_maxlen: int = 100_000,
+) -> dict[str, Any]:
+    """The settings of every app of one benchmark run (workers, producers, CLI).
+
+    Every key lives under ``prefix``; the visibility timeout is kombu's default.
+    """
+    return {
+        "broker_url": broker,
+        "result_backend": backend or broker,
+        "broker_transport_options": {"global_keyprefix": prefix, "visibility_timeout": 3600},
+        "result_backend_transport_options": {"global_keyprefix": prefix},
+        "broker_connection_retry_on_startup": True,
+        "task_default_queue": IDLE_QUEUE,
+        "worker_prefetch_multiplier": prefetch,
+        "worker_hijack_root_logger": True,
+        "tooleffect_key_prefix": f"{prefix}te:",
+        "tooleffect_redis_url": store,
+        "tooleffect_global_stream_maxlen": global_maxlen,
+    }
+
+
+app = Celery("bench")
+app.conf.update(
+    config(
+        os.environ.get("BENCH_PREFIX", "bench:"),
+        os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/0"),
+        backend=os.environ.get("BENCH_BACKEND") or None,
+        store=os.environ.get("BENCH_STORE") or None,
+        prefetch=int(os.environ.get("BENCH_PREFETCH", "4")),
+        global_maxlen=int(os.environ.get("BENCH_GLOBAL_MAXLEN", "100000")),
+    )
+)
+
+
+@app.task(name="bench.plain", acks_late=True)
+def plain(n: int) -> int:
+    return n
+
+
+@app.task(base=ToolTask, name="bench.read_only")
+def read_only(n: int) -> int:
+    return n
+
+
+@app.task(base=ToolTask, name="bench.idempotent_write", effect=ToolEffect.IDEMPOTENT_WRITE)
+def idempotent_write(n: int) -> int:
+    return n
+
+
+@app.task(base=ToolTask, name="bench.non_idempotent_write",
+          effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+def non_idempotent_write(n: int) -> int:
+    return n
+
+
+@app.task(base=ToolTask, name="bench.non_idempotent_deadline",
+          effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=60)
+def non_idempotent_deadline(n: int) -> int:
+    return n
+
+
+#: The variants, baseline first, in the order the rounds interleave them.
+VARIANTS = {
+    "plain celery (acks_late)": "bench.plain",
+    "READ_ONLY": "bench.read_only",
+    "IDEMPOTENT_WRITE": "bench.idempotent_write",
+    "NON_IDEMPOTENT_WRITE": "bench.non_idempotent_write",
+    "NON_IDEMPOTENT_WRITE + deadline": "bench.non_idempotent_deadline",
+}

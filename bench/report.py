@@ -1,0 +1,141 @@
+"""The benchmark's tables (Markdown, as in ``bench/README.md``) and the machine they ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from collections.abc import Sequence
+from importlib import metadata
+
+from celery_tooleffect.demo import redis_server_binary
+
+from .app import VARIANTS
+from .calls import VariantFigures
+from .store_scale import Timed
+
+BASELINE = next(iter(VARIANTS))
+#: Store round trips the contract needs for one successful call: one per
+#: journal transition (intent, outcome) for a write, the fail-soft audit
+#: append for a read; a deadline adds securing the broker lease.
+CONTRACT_MINIMUM = {
+    BASELINE: {"store": 0, "broker extra": 0},
+    "READ_ONLY": {"store": 1, "broker extra": 0},
+    "IDEMPOTENT_WRITE": {"store": 2, "broker extra": 0},
+    "NON_IDEMPOTENT_WRITE": {"store": 2, "broker extra": 0},
+    "NON_IDEMPOTENT_WRITE + deadline": {"store": 2, "broker extra": 1},
+}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def calls_table(figures: dict[str, VariantFigures]) -> str:
+    base = figures[BASELINE]
+    rows = []
+    for variant, figure in figures.items():
+        rows.append([
+            variant,
+            f"{figure.throughput:,.0f}",
+            f"{figure.throughput / base.throughput:.3f}",
+            " ".join(f"{round_.per_second:,.0f}" for round_ in figure.rounds),
+            f"{figure.latency(50):.2f}",
+            f"{figure.latency(99):.2f}",
+            f"{figure.latency(99) - base.latency(99):+.2f}",
+        ])
+    return table(["variant", "calls/s (median)", "ratio to baseline", "rounds (calls/s)",
+                  "latency p50 ms", "p99 ms", "added p99 ms"], rows)
+
+
+def cpu_table(figures: dict[str, VariantFigures]) -> str:
+    """Where the time goes: CPU per call by process, beside the baseline's."""
+    base = figures[BASELINE]
+    parts = ("worker main", "pool", "redis")
+    rows = []
+    for variant, figure in figures.items():
+        total = sum(figure.cpu_us(part) for part in parts)
+        base_total = sum(base.cpu_us(part) for part in parts)
+        rows.append([variant] + [
+            f"{figure.cpu_us(part):.0f} ({figure.cpu_us(part) - base.cpu_us(part):+.0f})"
+            for part in parts
+        ] + [f"{total:.0f} ({total - base_total:+.0f})"])
+    return table(["variant", "worker main process", "pool processes", "redis-server",
+                  "all"], rows)
+
+
+def round_trips_table(figures: dict[str, VariantFigures]) -> str:
+    base = figures[BASELINE]
+    rows = []
+    for variant, figure in figures.items():
+        trips = figure.round_trips
+        if not trips:
+            continue
+        minimum = CONTRACT_MINIMUM[variant]
+        broker_extra = trips["broker"] - base.round_trips["broker"]
+        commands = sum(figure.commands.values())
+        scripts = figure.commands.get("evalsha", 0.0)
+        rows.append([
+            variant,
+            f"{trips['broker']:.2f} ({broker_extra:+.2f})",
+            f"{trips['backend']:.2f}",
+            f"{trips['store']:.2f}",
+            f"{minimum['store']}" + (f" + {minimum['broker extra']} broker"
+                                     if minimum["broker extra"] else ""),
+            f"{sum(trips.values()):.2f}",
+            f"{commands:.1f} ({scripts:.0f} scripts)",
+        ])
+    return table(["variant", "broker (vs baseline)", "result backend", "tooleffect store",
+                  "store minimum (contract)", "all round trips", "Redis commands"], rows)
+
+
+def commands_detail(figures: dict[str, VariantFigures]) -> str:
+    lines = []
+    for variant, figure in figures.items():
+        if figure.commands:
+            listed = ", ".join(f"{name} {count:.1f}" for name, count in
+                               sorted(figure.commands.items(), key=lambda item: -item[1]))
+            lines.append(f"- {variant}: {listed}")
+    return "\n".join(lines)
+
+
+def operations_table(timed: Sequence[Timed]) -> str:
+    rows = []
+    for entry in timed:
+        rows.append([
+            entry.operation,
+            "" if entry.in_process_ms is None else f"{entry.in_process_ms:.2f}",
+            "" if entry.process_seconds is None else f"{entry.process_seconds:.2f}",
+            "" if entry.peak_rss_mb is None else f"{entry.peak_rss_mb:.1f}",
+            entry.note,
+        ])
+    return table(["operation", "in process (ms, median)", "CLI process (s, best of 3)",
+                  "CLI peak memory (MiB)", "note"], rows)
+
+
+def machine() -> str:
+    """One line on the machine and the versions the run used."""
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        memory = f"{pages / 2**30:.0f} GiB"
+    except (ValueError, OSError):
+        memory = "? GiB"
+    server = subprocess.run([redis_server_binary(), "--version"], capture_output=True,
+                            text=True, check=False).stdout.split()
+    redis_version = next((word.split("=", 1)[1] for word in server if word.startswith("v=")),
+                         "?")
+    versions = ", ".join(f"{name} {metadata.version(name)}"
+                         for name in ("celery", "kombu", "redis"))
+    return (f"{cpu}, {os.cpu_count()} cores, {memory}; Linux {platform.release()}; "
+            f"Python {platform.python_version()}, {versions}, redis-server {redis_version}")

@@ -1,0 +1,185 @@
+"""The real parts a benchmark run starts: a private redis-server and ``celery worker``s.
+
+Everything runs on this machine, on loopback, and is stopped when the run
+ends. The redis-server is the run's own, so its command statistics count only
+the benchmark's traffic, and nothing of anyone else's is flushed or slowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from celery_tooleffect.demo import free_port, pings, redis_server_binary
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
+             interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns a truthy value; raise after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class RedisServer:
+    """A redis-server of the run's own, on a free loopback port."""
+
+    port: int
+    workdir: Path
+    appendonly: bool
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=60)
+
+
+@contextlib.contextmanager
+def redis_server(*, appendonly: bool) -> Iterator[RedisServer]:
+    """Start a redis-server; with ``appendonly``, AOF with fsync every second
+    (what a store that must survive a restart runs with)."""
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="tooleffect-bench-redis-"))
+    persistence = (["--appendonly", "yes", "--appendfsync", "everysec"] if appendonly
+                   else ["--appendonly", "no"])
+    process = subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--dir", str(workdir), *persistence],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    server = RedisServer(port, workdir, appendonly)
+    try:
+        wait_for(lambda: pings(server.url) or process.poll() is not None, 10,
+                 "redis-server to start")
+        if process.poll() is not None:
+            raise RuntimeError(f"redis-server did not start on port {port}")
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.wait(10)
+        for path in sorted(workdir.rglob("*"), reverse=True):
+            with contextlib.suppress(OSError):
+                path.unlink() if path.is_file() else path.rmdir()
+        with contextlib.suppress(OSError):
+            workdir.rmdir()
+
+
+@dataclass
+class Worker:
+    """A ``celery -A bench.app worker`` process (prefork)."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds (user + system) spent so far by the main process and by its
+        pool processes (those alive now)."""
+        pid = self.process.pid
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            children = []
+        return _cpu_seconds(pid), sum(_cpu_seconds(int(child)) for child in children)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    # Fields after the command name, which is in parentheses and may hold spaces.
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def redis_cpu_seconds(client: redis.Redis) -> float:
+    """CPU seconds the redis-server has spent (user + system)."""
+    info: dict[str, Any] = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def worker_environment(prefix: str, broker: str, *, backend: str | None = None,
+                       store: str | None = None, prefetch: int = 4) -> dict[str, str]:
+    """What ``bench.app`` reads: the run's prefix and Redis URLs."""
+    return dict(
+        os.environ, BENCH_PREFIX=prefix, BENCH_BROKER=broker, BENCH_BACKEND=backend or "",
+        BENCH_STORE=store or "", BENCH_PREFETCH=str(prefetch), PYTHONPATH=str(ROOT),
+    )
+
+
+@contextlib.contextmanager
+def workers(count: int, concurrency: int, environment: dict[str, str], logdir: Path,
+            queues: str) -> Iterator[list[Worker]]:
+    """Start ``count`` prefork workers listening to ``queues``; wait until they are ready."""
+    started: list[Worker] = []
+    try:
+        for index in range(count):
+            name = f"bench{index}-{uuid.uuid4().hex[:6]}@{os.uname().nodename}"
+            log = logdir / f"{name.split('@')[0]}.log"
+            process = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "bench.app", "worker", "--pool",
+                 "prefork", "--concurrency", str(concurrency), "--loglevel", "WARNING",
+                 "--without-gossip", "--without-mingle", "--without-heartbeat",
+                 "-Q", queues, "-n", name],
+                stdout=log.open("wb"), stderr=subprocess.STDOUT, env=environment,
+                cwd=str(ROOT), start_new_session=True,
+            )
+            started.append(Worker(name, process, log))
+        yield started
+    finally:
+        for worker in started:
+            worker.stop()
+
+
+def wait_ready(app: Any, started: list[Worker], timeout: float = 60.0) -> None:
+    """Wait until every worker answers a ping; raise with its log if one died."""
+    names = {worker.name for worker in started}
+
+    def ready() -> bool:
+        for worker in started:
+            if worker.process.poll() is not None:
+                raise RuntimeError(f"worker {worker.name} exited:\n{worker.output()[-4000:]}")
+        replies = app.control.ping(destination=sorted(names), timeout=0.5) or []
+        answered = {name for reply in replies for name in reply}
+        return names <= answered
+
+    wait_for(ready, timeout, "the workers to answer a ping", interval=0.2)

@@ -1,0 +1,253 @@
+"""The operator phases: dead letters at 100,000 and an audit read beside 1,000,000 events.
+
+The data is written with the package's own scripts and clients (pipelined,
+so that filling takes seconds), into the run's private redis-server. Each
+operation is then timed twice:
+
+- **in process**: the API call the CLI and the Flower page make
+  (``DeadLetters.page``, ``get``, ``stats``; ``AuditLog.events``), median of
+  repeated calls, after one warm-up call;
+- **as a process**: the real CLI (``celery -A bench.app tooleffect ...``), its
+  wall time and its peak resident memory (``wait4``'s ``ru_maxrss``), best of
+  three. Most of that is Python's and Celery's start-up, which ``--help``
+  measures alone.
+
+The CLI's memory is also measured with 1,000 letters, to show that it does not
+grow with the number of letters.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+
+from celery_tooleffect import AuditLog, DeadLetters
+from celery_tooleffect.audit import StepContext, worker_identity
+from celery_tooleffect.dead_letters import DeadLetter, facets_of
+from celery_tooleffect.effect import ToolEffect
+from celery_tooleffect.lua import script
+
+from .servers import ROOT
+
+QUEUES = ("tools", "billing", "crm")
+REASONS = ("not_retryable", "retries_exhausted", "interrupted_write", "unknown_task")
+CLASSES = ("unknown", "auth", "connection", "rate_limit", "server_error")
+EFFECTS = ("read_only", "idempotent_write", "non_idempotent_write")
+#: The queue of the READ_ONLY letters the bulk replay takes.
+REPLAY_QUEUE = "bench-replay"
+
+
+def varied_letters(count: int, *, first: int = 0) -> Iterator[DeadLetter]:
+    """``count`` dead letters spread over queues, reasons, classes and effects."""
+    start = time.time() - first - count
+    for number in range(first, first + count):
+        reason = REASONS[number % 4]
+        # Unknown task names are always the producer's fault (as in the package).
+        failure_class = "client_error" if reason == "unknown_task" else CLASSES[number % 5]
+        yield DeadLetter(
+            task_id=f"{uuid.UUID(int=number)}", name=f"agent.tool_{number % 7}",
+            queue=QUEUES[number % 3], reason=reason,
+            failure_class=failure_class, effect=EFFECTS[(number // 3) % 3],
+            args=[f"customer-{number}", number], kwargs={"note": "x" * 40},
+            run_id=f"run-{number // 4}", exception_type="ProviderError",
+            error=f"provider said no to request {number}", attempts=1 + number % 3,
+            worker="host:1234", dead_lettered_at=start + number,
+        )
+
+
+def replayable_letters(count: int, task_name: str) -> Iterator[DeadLetter]:
+    """``count`` READ_ONLY letters in :data:`REPLAY_QUEUE` that a bulk replay may take."""
+    start = time.time() - count
+    for number in range(count):
+        yield DeadLetter(
+            task_id=uuid.uuid4().hex, name=task_name, queue=REPLAY_QUEUE,
+            reason="retries_exhausted", failure_class="connection", effect="read_only",
+            args=[number], run_id=f"replay-run-{number}", exception_type="ConnectionError",
+            error="provider unreachable", attempts=4, worker="host:1234",
+            dead_lettered_at=start + number,
+        )
+
+
+def fill_dead_letters(letters: DeadLetters, envelopes: Iterable[DeadLetter]) -> int:
+    """Store ``envelopes`` with the package's store script, pipelined; how many."""
+    store = script("dead_letter_store")
+    client = letters.client
+    client.script_load(store.text)
+    keys = letters.keys
+    pipe = client.pipeline(transaction=False)
+    stored = 0
+    for letter in envelopes:
+        names = [
+            keys.dead_letters(letter.queue),
+            keys.dead_letter_index(letter.queue),
+            keys.dead_letter_queues,
+            keys.dead_letter_locations,
+            keys.dead_letter_facets,
+            *letters.shared_index_keys(letter),
+        ]
+        pipe.evalsha(
+            store.sha, len(names), *names,
+            letter.task_id, letter.to_json(), repr(letter.dead_lettered_at), letter.queue,
+            *(f"{facet}:{value}" for facet, value in facets_of(letter)),
+        )
+        stored += 1
+        if stored % 2000 == 0:
+            pipe.execute()
+    pipe.execute()
+    return stored
+
+
+@dataclass
+class Timed:
+    """One operation: in-process milliseconds, CLI process seconds and peak memory."""
+
+    operation: str
+    in_process_ms: float | None
+    process_seconds: float | None = None
+    peak_rss_mb: float | None = None
+    note: str = ""
+
+
+def in_process(action: Callable[[], Any], repeat: int = 20) -> float:
+    """Median milliseconds of ``action`` after one warm-up call."""
+    action()
+    taken = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        action()
+        taken.append((time.perf_counter() - started) * 1000.0)
+    return statistics.median(taken)
+
+
+def cli(environment: dict[str, str], *args: str, repeat: int = 3) -> tuple[float, float]:
+    """Best wall seconds and peak resident MiB of ``celery -A bench.app tooleffect ARGS``."""
+    best_seconds, best_rss = float("inf"), float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "bench.app", "tooleffect", *args],
+            env=environment, cwd=str(ROOT), stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        errors = process.stderr.read().decode(errors="replace") if process.stderr else ""
+        if process.returncode != 0:
+            raise RuntimeError(f"tooleffect {' '.join(args)} exited {process.returncode}: "
+                               f"{errors[-2000:]}")
+        best_seconds = min(best_seconds, seconds)
+        best_rss = min(best_rss, usage.ru_maxrss / 1024.0)  # KiB on Linux
+    return best_seconds, best_rss
+
+
+def dead_letter_operations(app: Celery, environment: dict[str, str], *, letters_count: int,
+                           replay_count: int, small_count: int,
+                           progress: Callable[[str], None]) -> list[Timed]:
+    """List, show, stats and a bulk replay, with ``letters_count`` dead letters stored."""
+    letters = DeadLetters(app)
+    timed: list[Timed] = []
+    startup, startup_rss = cli(environment, "--help")
+    timed.append(Timed("CLI start-up alone (`tooleffect --help`)", None, startup, startup_rss))
+
+    fill_dead_letters(letters, varied_letters(small_count))
+    small_list = cli(environment, "dlq", "list", "--limit", "50")
+    small_stats = cli(environment, "dlq", "stats")
+
+    started = time.perf_counter()
+    fill_dead_letters(letters, varied_letters(letters_count - small_count - replay_count,
+                                              first=small_count))
+    fill_dead_letters(letters, replayable_letters(replay_count, "bench.read_only"))
+    total = letters.stats().total
+    if total != letters_count:
+        raise RuntimeError(f"{total} dead letters stored, {letters_count} expected")
+    progress(f"{letters_count:,} dead letters written in {time.perf_counter() - started:.1f}s")
+
+    shown_id = str(uuid.UUID(int=small_count // 2))
+    if letters.get(shown_id) is None:
+        raise RuntimeError(f"dead letter {shown_id} not found")
+    page = letters.page(limit=50)
+    if len(page.letters) != 50 or page.total != letters_count:
+        raise RuntimeError(f"a page of {len(page.letters)} of {page.total}")
+    operations: list[tuple[str, Callable[[], Any], tuple[str, ...], float | None]] = [
+        ("`dlq list --limit 50`", lambda: letters.page(limit=50),
+         ("dlq", "list", "--limit", "50"), small_list[1]),
+        ("`dlq show TASK_ID`", lambda: letters.get(shown_id), ("dlq", "show", shown_id), None),
+        ("`dlq stats`", letters.stats, ("dlq", "stats"), small_stats[1]),
+    ]
+    for label, action, args, small_rss in operations:
+        seconds, rss = cli(environment, *args)
+        note = "" if small_rss is None else (
+            f"peak memory with {small_count:,} letters: {small_rss:.1f} MiB")
+        timed.append(Timed(label, in_process(action), seconds, rss, note))
+        progress(f"{label}: {timed[-1].in_process_ms:.2f} ms in process, "
+                 f"{seconds:.2f} s as a process, {rss:.1f} MiB")
+
+    seconds, rss = cli(environment, "dlq", "replay", "--all", "--effect", "read_only",
+                       "--queue", REPLAY_QUEUE, repeat=1)
+    left = letters.stats().by_queue.get(REPLAY_QUEUE, 0)
+    broker = letters.client
+    published = int(broker.llen(f"{app.conf.broker_transport_options['global_keyprefix']}"
+                                f"{REPLAY_QUEUE}"))
+    if left or published != replay_count:
+        raise RuntimeError(f"bulk replay left {left} letters and published {published}")
+    timed.append(Timed(f"`dlq replay --all` of {replay_count:,} READ_ONLY letters", None,
+                       seconds, rss, f"{replay_count / seconds:,.0f} replays/s"))
+    progress(f"bulk replay of {replay_count:,}: {seconds:.1f} s, {rss:.1f} MiB")
+    return timed
+
+
+def audit_read(app: Celery, environment: dict[str, str], *, global_events: int,
+               run_events: int, progress: Callable[[str], None]) -> list[Timed]:
+    """``events(run_id)`` of a run with ``run_events`` events beside a global stream of
+    ``global_events``."""
+    audit = AuditLog(app)
+    client = audit.client
+    started = time.perf_counter()
+    context = StepContext(run_id="", task_id="", tool="agent.search_catalog",
+                          effect=ToolEffect.READ_ONLY, queue="tools", redelivered=False,
+                          worker=worker_identity())
+    pipe = client.pipeline(transaction=False)
+    for number in range(global_events - run_events):
+        run = f"other-run-{number // 10}"
+        event = dict(context.event("outcome", "succeeded", attempt=1, duration_ms=1.5,
+                                   payload={"args_size": "24", "result_size": "120"}),
+                     run_id=run, task_id=f"task-{number}")
+        audit.queue_global_copy(pipe, event)
+        if number % 5000 == 4999:
+            pipe.execute()
+    pipe.execute()
+    run_id = f"bench-run-{uuid.uuid4().hex[:8]}"
+    for number in range(run_events):
+        event = dict(context.event("outcome", "succeeded", attempt=1, duration_ms=1.5,
+                                   payload={"args_size": "24", "result_size": "120"}),
+                     run_id=run_id, task_id=f"{run_id}-{number}")
+        if not audit.record_step(event):
+            raise RuntimeError("an audit event was not stored")
+    length = int(client.xlen(audit.keys.global_events))
+    progress(f"audit: {length:,} events in the global stream, written in "
+             f"{time.perf_counter() - started:.1f}s")
+    if length < global_events * 0.99:
+        raise RuntimeError(f"the global stream holds {length}, not {global_events}")
+    if len(audit.events(run_id)) != run_events:
+        raise RuntimeError(f"the run does not hold {run_events} events")
+    seconds, rss = cli(environment, "audit", "show", run_id)
+    timed = [
+        Timed(f"`audit show RUN_ID` ({run_events:,} events; global stream "
+              f"{length:,})", in_process(lambda: audit.events(run_id)), seconds, rss),
+        Timed("`audit tail -n 100`", in_process(lambda: audit.tail(100)),
+              *cli(environment, "audit", "tail", "-n", "100")),
+    ]
+    for entry in timed:
+        progress(f"{entry.operation}: {entry.in_process_ms:.2f} ms in process, "
+                 f"{entry.process_seconds:.2f} s as a process")
+    return timed
