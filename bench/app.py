@@ -1,3 +1,5 @@
+# mypy: disallow-untyped-decorators=False
+# (Celery ships no type hints: @app.task is untyped, as it is in any user code.)
 """The Celery app the benchmark's ``celery worker`` processes run.
 
 One trivial body, five ways to run it: a plain Celery task with

@@ -92,7 +92,7 @@ class CountingClient:
         self.sent["llen"] += 1
         return int(self.client.llen(key))
 
-    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+    def mget(self, keys: Sequence[str]) -> list[Any]:
         self.sent["mget"] += 1
         return list(self.client.mget(keys))
 

@@ -12,6 +12,7 @@ front of the same redis-server, tells which client pays which round trip.
 
 from __future__ import annotations
 
+import contextlib
 import selectors
 import socket
 import threading
@@ -129,8 +130,6 @@ class CountingProxy:
 
     def _drop(self, connection: _Connection) -> None:
         for sock in (connection.client, connection.upstream):
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(sock)
-            except (KeyError, ValueError):
-                pass
             sock.close()

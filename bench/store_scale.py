@@ -8,7 +8,7 @@ operation is then timed twice:
   (``DeadLetters.page``, ``get``, ``stats``; ``AuditLog.events``), median of
   repeated calls, after one warm-up call;
 - **as a process**: the real CLI (``celery -A bench.app tooleffect ...``), its
-  wall time and its peak resident memory (``wait4``'s ``ru_maxrss``), best of
+  wall time and its peak resident memory (``bench.peak_memory``), best of
   three. Most of that is Python's and Celery's start-up, which ``--help``
   measures alone.
 
@@ -18,7 +18,6 @@ grow with the number of letters.
 
 from __future__ import annotations
 
-import os
 import statistics
 import subprocess
 import sys
@@ -31,11 +30,12 @@ from typing import Any
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters
-from celery_tooleffect.audit import StepContext, worker_identity
+from celery_tooleffect.audit import StepContext, flatten, worker_identity
 from celery_tooleffect.dead_letters import DeadLetter, facets_of
 from celery_tooleffect.effect import ToolEffect
 from celery_tooleffect.lua import script
 
+from .peak_memory import MARK
 from .servers import ROOT
 
 QUEUES = ("tools", "billing", "crm")
@@ -133,20 +133,22 @@ def cli(environment: dict[str, str], *args: str, repeat: int = 3) -> tuple[float
     best_seconds, best_rss = float("inf"), float("inf")
     for _ in range(repeat):
         started = time.perf_counter()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "bench.app", "tooleffect", *args],
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.peak_memory", "-m", "celery", "-A", "bench.app",
+             "tooleffect", *args],
             env=environment, cwd=str(ROOT), stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, check=False,
         )
-        _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - started
-        process.returncode = os.waitstatus_to_exitcode(status)
-        errors = process.stderr.read().decode(errors="replace") if process.stderr else ""
-        if process.returncode != 0:
-            raise RuntimeError(f"tooleffect {' '.join(args)} exited {process.returncode}: "
-                               f"{errors[-2000:]}")
+        if done.returncode != 0:
+            raise RuntimeError(f"tooleffect {' '.join(args)} exited {done.returncode}: "
+                               f"{done.stderr[-2000:]}")
+        peaks = [line.split()[1] for line in done.stderr.splitlines()
+                 if line.startswith(MARK)]
+        if not peaks:
+            raise RuntimeError(f"tooleffect {' '.join(args)} did not report its memory")
         best_seconds = min(best_seconds, seconds)
-        best_rss = min(best_rss, usage.ru_maxrss / 1024.0)  # KiB on Linux
+        best_rss = min(best_rss, int(peaks[-1]) / 1024.0)
     return best_seconds, best_rss
 
 
@@ -216,13 +218,13 @@ def audit_read(app: Celery, environment: dict[str, str], *, global_events: int,
     context = StepContext(run_id="", task_id="", tool="agent.search_catalog",
                           effect=ToolEffect.READ_ONLY, queue="tools", redelivered=False,
                           worker=worker_identity())
-    pipe = client.pipeline(transaction=False)
+    pipe: Any = client.pipeline(transaction=False)  # redis-py's pipeline is not annotated
     for number in range(global_events - run_events):
         run = f"other-run-{number // 10}"
         event = dict(context.event("outcome", "succeeded", attempt=1, duration_ms=1.5,
                                    payload={"args_size": "24", "result_size": "120"}),
                      run_id=run, task_id=f"task-{number}")
-        audit.queue_global_copy(pipe, event)
+        pipe.execute_command(*audit.global_copy(flatten(event)))
         if number % 5000 == 4999:
             pipe.execute()
     pipe.execute()

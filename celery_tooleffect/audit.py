@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .connections import redis_client
+from .connections import Command, one_round_trip, redis_client
 from .effect import ToolEffect
 from .keys import Keys, unescape_hash_tag
 from .lua import script
@@ -233,11 +233,12 @@ class AuditLog:
         """
         try:
             run_id = str(event["run_id"])
+            fields = flatten(event)
             script("append_event").call_with(
                 self.client,
                 [self.keys.run_events(run_id), self.keys.run_seq(run_id)],
-                [self.settings.run_stream_maxlen, self.settings.journal_ttl, *flatten(event)],
-                then=lambda pipe: self.queue_global_copy(pipe, event),
+                [self.settings.run_stream_maxlen, self.settings.journal_ttl, *fields],
+                also=[self.global_copy(fields)],
             )
         except Exception as exc:
             logger.warning("audit event not stored (%s: %s): %s", type(exc).__name__, exc,
@@ -245,22 +246,16 @@ class AuditLog:
             return False
         return True
 
-    def queue_global_copy(self, pipe: Any, event: Mapping[str, Any]) -> None:
-        """Queue the copy of ``event`` to the global stream (for tailing) on ``pipe``."""
-        flat = flatten(event)
-        pipe.xadd(
-            self.keys.global_events,
-            dict(zip(flat[::2], flat[1::2], strict=True)),
-            maxlen=self.settings.global_stream_maxlen,
-            approximate=True,
-        )
+    def global_copy(self, fields: Sequence[str]) -> Command:
+        """The command that copies an event, given as its :func:`flatten` fields, to
+        the global stream used for tailing."""
+        return ("XADD", self.keys.global_events, "MAXLEN", "~",
+                self.settings.global_stream_maxlen, "*", *fields)
 
     def copy_to_global(self, event: Mapping[str, Any]) -> None:
         """Copy an event to the global stream used for tailing. Best effort."""
         try:
-            pipe = self.client.pipeline(transaction=False)
-            self.queue_global_copy(pipe, event)
-            pipe.execute(raise_on_error=False)
+            one_round_trip(self.client, [self.global_copy(flatten(event))])
         except Exception as exc:
             logger.debug("global audit copy skipped: %s", exc)
 

@@ -1,4 +1,5 @@
-"""Redis clients for the store and the dead letters, one set per process.
+"""Redis clients for the store and the dead letters, one set per process, and
+the one-write-many-replies call the hot path uses.
 
 A client (and its connection pool) is never shared across a fork: the cache is
 keyed by process id, so a prefork child builds its own on first use.
@@ -8,12 +9,32 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any, cast
 
 import redis
+from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.connection import PythonRespSerializer
+from redis.exceptions import ResponseError
 from redis.retry import Retry
+
+# With hiredis installed, redis-py packs commands with hiredis, which refuses
+# text that is not valid UTF-8 whatever ``encoding_errors`` says. The package's
+# clients pack with redis-py's own packer and the escaping encoder instead (the
+# replies are still parsed by hiredis when it is there).
+_ESCAPING_PACKER = PythonRespSerializer(
+    6000, Encoder("utf-8", "backslashreplace", False).encode  # type: ignore[no-untyped-call]
+)
+
+
+class _EscapingConnection(redis.Connection):
+    """A connection that packs with :data:`_ESCAPING_PACKER` (for cluster nodes)."""
+
+    def _construct_command_packer(self, packer: Any) -> Any:
+        return _ESCAPING_PACKER
+
 
 _lock = threading.Lock()
 _clients: dict[tuple[int, str, float, bool], redis.Redis] = {}
@@ -48,10 +69,54 @@ def redis_client(url: str, socket_timeout: float, cluster: bool = False) -> redi
                     "encoding_errors": "backslashreplace",
                 }
                 if cluster:
+                    if url.startswith("redis://"):  # rediss:// picks its own class
+                        options["connection_class"] = _EscapingConnection
                     client = cast(redis.Redis, RedisCluster.from_url(url, **options))
                 else:
                     client = redis.Redis.from_url(
-                        url, health_check_interval=30, retry_on_timeout=False, **options
+                        url, health_check_interval=30, retry_on_timeout=False,
+                        command_packer=_ESCAPING_PACKER, **options,
                     )
                 _clients[key] = client
     return client
+
+
+#: One Redis command as it goes on the wire: its name, then its arguments.
+Command = tuple[str | bytes | int | float, ...]
+
+
+def one_round_trip(client: redis.Redis, commands: Sequence[Command]) -> list[Any]:
+    """Send ``commands`` in one write and read their replies: one round trip.
+
+    The replies come back in order, unparsed (no response callbacks); an error
+    reply is returned as its ``ResponseError``, never raised, so that one
+    command's refusal does not hide the others' answers. A connection error or
+    timeout raises (``redis.ConnectionError`` / ``redis.TimeoutError``) and
+    drops the connection: the commands may or may not have run.
+
+    This is what a non-transactional pipeline does, without building one: on
+    the hot path of every tool call that machinery costs more CPU than the
+    round trip itself. On a Redis Cluster client it is a cluster pipeline.
+    """
+    if isinstance(client, RedisCluster):
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute(raise_on_error=False))
+    pool = client.connection_pool
+    # redis-py's connection methods are not annotated.
+    connection: Any = pool.get_connection()
+    try:
+        connection.send_packed_command(connection.pack_commands(commands))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(connection.read_response())
+            except ResponseError as refused:
+                replies.append(refused)
+        return replies
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)

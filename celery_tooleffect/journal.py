@@ -24,7 +24,6 @@ import enum
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
@@ -191,12 +190,14 @@ class Journal:
         journal_fields = flatten(fields or {})
         now = f"{time.time():.6f}"
 
-        def copy(pipe: Any) -> None:
-            # In the same round trip; skipped when a refusal stores nothing.
-            if earlier_copy is not None:
-                self.audit.queue_global_copy(pipe, earlier_copy)
-            if record_late:
-                self.audit.queue_global_copy(pipe, event)
+        event_fields = flatten(event)
+        # In the same round trip; the outcome's copy is skipped when a refusal
+        # would store nothing.
+        copies = []
+        if earlier_copy is not None:
+            copies.append(self.audit.global_copy(flatten(earlier_copy)))
+        if record_late:
+            copies.append(self.audit.global_copy(event_fields))
 
         try:
             answer = script("transition").call_with(
@@ -212,9 +213,9 @@ class Journal:
                     "1" if record_late else "0",
                     len(journal_fields) // 2,
                     *journal_fields,
-                    *flatten(event),
+                    *event_fields,
                 ],
-                then=copy,
+                also=copies,
             )
         except AMBIGUOUS as exc:
             # The answer was lost: the script may have run. It did if the entry

@@ -12,16 +12,18 @@ Two leases guard a write with an ``operation_deadline``:
   the body runs, never past the deadline, so a worker that died is noticed
   soon after, and not only when the deadline passes.
 
-The heartbeat is a thread of the process that runs the body (a prefork child
-or a thread of the threads pool). It renews the journal first, then the
-broker, stops before the outcome is recorded, and uses this process's own
-Redis clients (never one inherited across a fork).
+The heartbeat runs in the process that runs the body (a prefork child, or the
+worker of the threads pool), on one thread of that process that serves all its
+running writes. It renews the journal first, then the broker, stops before the
+outcome is recorded, and uses this process's own Redis clients (never one
+inherited across a fork).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -149,6 +151,10 @@ class Heartbeat:
     renewal fails it calls ``on_failure(reason)`` once and stops: ``journal_lost``
     (another attempt owns the entry), ``broker_lost`` (the message was
     restored), or ``store_unavailable``.
+
+    The renewals are made by one thread per process (:class:`_Beats`) that
+    serves every running heartbeat of that process: starting a thread for
+    each tool call would cost more than most calls.
     """
 
     def __init__(
@@ -172,34 +178,30 @@ class Heartbeat:
         self.interval = interval
         self.step = 3 * interval
         self.on_failure = on_failure
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._beat, name=f"tooleffect-heartbeat-{ref.task_id}", daemon=True
-        )
+        self.stopped = False
 
     def __enter__(self) -> Heartbeat:
-        self._thread.start()
+        _beats().add(self, time.monotonic() + self.interval)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def stop(self) -> None:
-        """Stop beating; returns once no renewal is in flight."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        """Stop beating; returns once no renewal of this heartbeat is in flight."""
+        self.stopped = True
+        _beats().remove(self)
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self.interval):
-            lease_end = min(time.time() + self.step, self.deadline_end)
-            failure = self._renew(lease_end)
-            if failure is not None:
-                if not self._stop.is_set():
-                    self.on_failure(failure)
-                return
-            if lease_end >= self.deadline_end:
-                return  # the deadline is reached: nothing more may be extended
+    def beat(self) -> bool:
+        """Renew once (called by the beats thread); whether to beat again."""
+        lease_end = min(time.time() + self.step, self.deadline_end)
+        failure = self._renew(lease_end)
+        if failure is not None:
+            if not self.stopped:
+                self.on_failure(failure)
+            return False
+        # At the deadline nothing more may be extended.
+        return lease_end < self.deadline_end
 
     def _renew(self, lease_end: float) -> str | None:
         try:
@@ -212,3 +214,71 @@ class Heartbeat:
             if verdict is LeaseVerdict.LOST:
                 return "broker_lost"
         return None
+
+
+class _Beats:
+    """The thread of one process that makes the renewals of its heartbeats, each
+    when it is due, one at a time (a renewal is one or two short Redis calls)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        #: When each running heartbeat is due next (monotonic seconds).
+        self._due: dict[Heartbeat, float] = {}
+        self._renewing: Heartbeat | None = None
+        self._thread: threading.Thread | None = None
+
+    def add(self, heartbeat: Heartbeat, due: float) -> None:
+        with self._changed:
+            self._due[heartbeat] = due
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tooleffect-heartbeat",
+                                                daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def remove(self, heartbeat: Heartbeat) -> None:
+        with self._changed:
+            self._due.pop(heartbeat, None)
+            if threading.current_thread() is self._thread:
+                return  # stopped from its own on_failure
+            while self._renewing is heartbeat:
+                self._changed.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                if not self._due:
+                    self._changed.wait()
+                    continue
+                heartbeat, due = min(self._due.items(), key=lambda item: item[1])
+                wait = due - time.monotonic()
+                if wait > 0:
+                    self._changed.wait(wait)
+                    continue
+                del self._due[heartbeat]
+                self._renewing = heartbeat
+            again = False
+            try:
+                again = heartbeat.beat()
+            except Exception:  # the thread serves every heartbeat: it must not die
+                logger.exception("heartbeat of %s failed", heartbeat.ref.task_id)
+            finally:
+                with self._changed:
+                    self._renewing = None
+                    if again and not heartbeat.stopped:
+                        self._due[heartbeat] = time.monotonic() + heartbeat.interval
+                    self._changed.notify_all()
+
+
+_beats_of: dict[int, _Beats] = {}
+_beats_lock = threading.Lock()
+
+
+def _beats() -> _Beats:
+    """This process's beats thread (a forked pool child makes its own)."""
+    pid = os.getpid()
+    beats = _beats_of.get(pid)
+    if beats is None:
+        with _beats_lock:
+            beats = _beats_of.setdefault(pid, _Beats())
+    return beats

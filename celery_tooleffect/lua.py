@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
+
+from .connections import Command, one_round_trip
 
 KeyOrArg = str | bytes | int | float
 
@@ -43,29 +45,25 @@ class LuaScript:
         client: redis.Redis,
         keys: Sequence[KeyOrArg],
         args: Sequence[KeyOrArg],
-        then: Callable[[Any], None],
+        also: Sequence[Command],
     ) -> Any:
-        """Run the script, and in the same round trip the commands ``then`` queues.
+        """Run the script, and in the same round trip the commands ``also``.
 
         Those commands are best effort: their errors are ignored, and they run
         even when the script fails (a second time when the script had to be
         loaded first). Connection errors raise as usual.
         """
         if isinstance(client, RedisCluster):
-            # A cluster pipeline refuses scripts (and ``then``'s commands may
-            # be on another node anyway): two round trips there.
+            # A cluster pipeline refuses scripts (and the other commands may be
+            # on another node anyway): two round trips there.
             try:
                 return self(client, keys, args)
             finally:
                 with contextlib.suppress(Exception):
-                    pipe = client.pipeline(transaction=False)
-                    then(pipe)
-                    pipe.execute(raise_on_error=False)
+                    one_round_trip(client, also)
+        commands: list[Command] = [("EVALSHA", self.sha, len(keys), *keys, *args), *also]
         for _ in range(2):
-            pipe = client.pipeline(transaction=False)
-            pipe.evalsha(self.sha, len(keys), *keys, *args)
-            then(pipe)
-            answer = pipe.execute(raise_on_error=False)[0]
+            answer = one_round_trip(client, commands)[0]
             if isinstance(answer, NoScriptError):
                 client.script_load(self.text)
                 continue

@@ -105,7 +105,7 @@ class ToolRequest(Request):  # type: ignore[misc]
             run_id=resolve_run_id(fields, self.id),
             name=self.name,
             effect=getattr(task, "tool_effect", ToolEffect.NON_IDEMPOTENT_WRITE),
-            queue=queue_name(self.delivery_info, task.app.conf.task_default_queue),
+            queue=queue_name(self.delivery_info, self.runtime.settings.default_queue),
             token=self._tooleffect_token,
             redelivered=bool((self.delivery_info or {}).get("redelivered")),
             interactive=False,

@@ -63,6 +63,8 @@ class Settings:
     broker_transport_options: Mapping[str, Any] = field(default_factory=dict)
     #: The store (``redis_url``) is a Redis Cluster (``tooleffect_redis_cluster``).
     redis_cluster: bool = False
+    #: Celery's ``task_default_queue``: the queue of a message that names none.
+    default_queue: str = "celery"
 
     def backoff(self, retries: int) -> float:
         """Seconds to wait before retry number ``retries + 1``."""
@@ -160,4 +162,5 @@ def _read(app: Celery) -> Settings:
         rabbitmq_consumer_timeout=float(get("tooleffect_rabbitmq_consumer_timeout")),
         broker_transport_options=transport_options,
         redis_cluster=redis_cluster,
+        default_queue=str(conf.task_default_queue or "celery"),
     )

@@ -61,7 +61,7 @@ def classify_reported_failure(
             task_id=task_id,
             tool=sender.name,
             effect=effect,
-            queue=queue_name(fields.get("delivery_info"), sender.app.conf.task_default_queue),
+            queue=queue_name(fields.get("delivery_info"), runtime.settings.default_queue),
             redelivered=False,
             worker=worker_identity(),
         )

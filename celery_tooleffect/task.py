@@ -214,7 +214,7 @@ class ToolTask(Task):  # type: ignore[misc]
             run_id=resolve_run_id(fields, task_id),
             name=self.name,
             effect=self.tool_effect,
-            queue=queue_name(request.delivery_info, self.app.conf.task_default_queue),
+            queue=queue_name(request.delivery_info, self.runtime.settings.default_queue),
             token=str(fields.get(TOKEN_FIELD) or uuid.uuid4().hex),
             redelivered=bool((request.delivery_info or {}).get("redelivered")),
             interactive=bool(request.is_eager or request.called_directly),

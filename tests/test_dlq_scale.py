@@ -1,6 +1,7 @@
 """Paging and counts stay fast with 100,000 dead letters: no listing, show or count scans.
 
-The letters are written with pipelines (the package's own store script) into a
+The letters are written with pipelines (the package's own store script, by
+the benchmark's ``fill_dead_letters``) into a
 redis-server of the test's own, so that Redis's command statistics count only
 what the package sends: a page of 50 and the stats must cost a number of
 commands that does not grow with the number of dead letters. The CLI is then
@@ -20,59 +21,11 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_tooleffect.dead_letters import (
-    DeadLetter,
-    DeadLetterQuery,
-    DeadLetters,
-    facets_of,
-)
-from celery_tooleffect.lua import script
+from bench.store_scale import fill_dead_letters, varied_letters
+from celery_tooleffect.dead_letters import DeadLetterQuery, DeadLetters
 from tests.conftest import TESTS, RedisServer, app_config
 
 N = 100_000
-QUEUES = ("tools", "billing", "crm")
-REASONS = ("not_retryable", "retries_exhausted", "interrupted_write", "unknown_task")
-CLASSES = ("unknown", "auth", "connection", "rate_limit", "server_error")
-EFFECTS = ("read_only", "idempotent_write", "non_idempotent_write")
-
-
-def fill(letters: DeadLetters, count: int) -> None:
-    """Store ``count`` varied dead letters with the store script, pipelined."""
-    store = script("dead_letter_store")
-    client = letters.client
-    client.script_load(store.text)
-    keys = letters.keys
-    start = time.time() - count
-    pipe = client.pipeline(transaction=False)
-    for number in range(count):
-        reason = REASONS[number % 4]
-        # Unknown task names are always the producer's fault (as in the package).
-        failure_class = "client_error" if reason == "unknown_task" else CLASSES[number % 5]
-        letter = DeadLetter(
-            task_id=f"{uuid.UUID(int=number)}", name=f"agent.tool_{number % 7}",
-            queue=QUEUES[number % 3], reason=reason,
-            failure_class=failure_class, effect=EFFECTS[(number // 3) % 3],
-            args=[f"customer-{number}", number], kwargs={"note": "x" * 40},
-            run_id=f"run-{number // 4}", exception_type="ProviderError",
-            error=f"provider said no to request {number}", attempts=1 + number % 3,
-            worker="host:1234", dead_lettered_at=start + number,
-        )
-        names = [
-            keys.dead_letters(letter.queue),
-            keys.dead_letter_index(letter.queue),
-            keys.dead_letter_queues,
-            keys.dead_letter_locations,
-            keys.dead_letter_facets,
-            *letters.shared_index_keys(letter),
-        ]
-        pipe.evalsha(
-            store.sha, len(names), *names,
-            letter.task_id, letter.to_json(), repr(letter.dead_lettered_at), letter.queue,
-            *(f"{facet}:{value}" for facet, value in facets_of(letter)),
-        )
-        if number % 2000 == 1999:
-            pipe.execute()
-    pipe.execute()
 
 
 def commands(client: redis.Redis) -> int:
@@ -113,7 +66,7 @@ def test_paging_and_counts_with_100000_dead_letters(second_redis: RedisServer) -
     client = second_redis.client()
 
     started = time.perf_counter()
-    fill(letters, N)
+    fill_dead_letters(letters, varied_letters(N))
     fill_seconds = time.perf_counter() - started
 
     page, page_seconds, page_commands = measured(client, lambda: letters.page(limit=50))
