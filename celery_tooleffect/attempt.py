@@ -26,11 +26,13 @@ FORGED_FIELD = "tooleffect_forged_headers"
 
 def forged_headers(headers: Mapping[str, Any]) -> list[str]:
     """``tooleffect_*`` headers a producer is not allowed to set."""
+    # The first letter is looked at before anything is lowered: this runs on
+    # every message, on the worker's main process.
     return sorted(
         name
         for name in headers
-        if isinstance(name, str) and name.lower().startswith("tooleffect_")
-        and name not in ALLOWED_HEADERS
+        if isinstance(name, str) and name[:1] in "tT"
+        and name.lower().startswith("tooleffect_") and name not in ALLOWED_HEADERS
     )
 
 

@@ -1,0 +1,42 @@
+"""The hot path's own packing and round trip (``celery_tooleffect.connections``)."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from redis.connection import PythonRespSerializer
+from redis.exceptions import DataError, ResponseError
+
+from celery_tooleffect.connections import one_round_trip, pack, redis_client
+from tests.conftest import REDIS_URL
+
+
+def test_pack_writes_what_redis_py_writes_for_text_bytes_and_numbers() -> None:
+    command = ("XADD", "stream", "MAXLEN", "~", 1000, "*", "ts", 1.25, "size", b"\x00\xff",
+               "name", "caf\u00e9 \U0001f642")
+    expected = b"".join(PythonRespSerializer(6000, redis.connection.Encoder(
+        "utf-8", "strict", False).encode).pack(*command))
+    assert pack([command]) == expected
+    assert pack([("PING",), ("PING",)]) == b"*1\r\n$4\r\nPING\r\n" * 2
+
+
+def test_pack_escapes_text_that_is_not_utf8_and_refuses_what_redis_cannot_hold() -> None:
+    assert pack([("SET", "k\ud800", "v")]) == b"*3\r\n$3\r\nSET\r\n$7\r\nk\\ud800\r\n$1\r\nv\r\n"
+    with pytest.raises(DataError):
+        pack([("SET", "k", True)])
+    with pytest.raises(DataError):
+        pack([("SET", "k", None)])  # type: ignore[list-item]
+
+
+def test_one_round_trip_answers_in_order_and_returns_refusals(prefix: str) -> None:
+    client = redis_client(REDIS_URL, 2.0)
+    key = f"{prefix}odd\ud800key"
+    replies = one_round_trip(client, [
+        ("SET", key, "one"),
+        ("INCR", key),  # a refusal: not an integer
+        ("GET", key),
+    ])
+    assert replies[0] in (b"OK", "OK") and replies[2] == b"one"
+    assert isinstance(replies[1], ResponseError)
+    # The escaped key is the one the client's own commands use too.
+    assert client.get(key) == b"one"
