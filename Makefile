@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint bench
 
 # Create .venv and install the package with its dev extra.
 install:
@@ -27,3 +27,7 @@ test: $(INSTALLED)
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/mypy --strict -p celery_tooleffect
+
+# The benchmarks beside plain Celery (about 6 minutes; see bench/README.md).
+bench: $(INSTALLED)
+	$(BIN)/python -m bench

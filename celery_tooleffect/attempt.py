@@ -7,7 +7,10 @@ entry and audit stream.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+import os
+import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +25,23 @@ ALLOWED_HEADERS = frozenset({RUN_ID_HEADER})
 #: taken from a message.
 TOKEN_FIELD = "tooleffect_token"
 FORGED_FIELD = "tooleffect_forged_headers"
+
+
+_tokens: dict[int, tuple[str, Iterator[int]]] = {}
+
+
+def new_token() -> str:
+    """An owner token no other attempt has: this process's random prefix and a count.
+
+    One random draw per process, not per call: a token is made for every
+    delivery on the worker's main process. A forked child draws its own.
+    """
+    pid = os.getpid()
+    source = _tokens.get(pid)
+    if source is None:
+        source = _tokens.setdefault(pid, (uuid.uuid4().hex[:20], itertools.count(1)))
+    prefix, counter = source
+    return f"{prefix}{next(counter):012x}"
 
 
 def forged_headers(headers: Mapping[str, Any]) -> list[str]:

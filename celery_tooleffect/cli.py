@@ -404,22 +404,24 @@ def _confirm(question: str, yes: bool) -> None:
 def _report(results: Iterable[ActionResult], as_json: bool, done_word: str) -> None:
     from .operations import Outcome, results_summary
 
-    listed: list[ActionResult] = []
-    for result in results:
-        listed.append(result)
-        if not as_json:
-            stream_err = result.outcome is not Outcome.DONE
-            label = "ok" if result.ok else result.outcome.value
-            click.echo(f"{label}: {result.message}", err=stream_err)
-    summary = results_summary(listed)
     if as_json:
-        _echo_json(summary)
-    else:
-        click.echo(
-            f"{summary['done']} {done_word}, {summary['refused']} refused, "
-            f"{summary['not_found']} not found, {summary['failed']} failed"
-        )
-    if any(not result.ok for result in listed):
+        listed = list(results)
+        _echo_json(results_summary(listed))
+        if any(not result.ok for result in listed):
+            sys.exit(EXIT_REFUSED)
+        return
+    # Printed as they come and only counted: a bulk action over a million
+    # letters must not hold a million results.
+    counts = {outcome: 0 for outcome in Outcome}
+    for result in results:
+        counts[result.outcome] += 1
+        label = "ok" if result.ok else result.outcome.value
+        click.echo(f"{label}: {result.message}", err=result.outcome is not Outcome.DONE)
+    click.echo(
+        f"{counts[Outcome.DONE]} {done_word}, {counts[Outcome.REFUSED]} refused, "
+        f"{counts[Outcome.NOT_FOUND]} not found, {counts[Outcome.FAILED]} failed"
+    )
+    if sum(counts.values()) != counts[Outcome.DONE]:
         sys.exit(EXIT_REFUSED)
 
 

@@ -23,7 +23,6 @@ class to the ``task-failed`` event that Flower shows.
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any
 
 from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
@@ -45,6 +44,7 @@ from .attempt import (
     TOKEN_FIELD,
     Attempt,
     forged_headers,
+    new_token,
     queue_name,
     resolve_run_id,
 )
@@ -84,7 +84,7 @@ class ToolRequest(Request):  # type: ignore[misc]
             ) from exc
         check_request(self._request_dict, self._payload)
         request_built(message)
-        self._tooleffect_token = uuid.uuid4().hex
+        self._tooleffect_token = new_token()
         self._tooleffect_done = False
         self._tooleffect_failure_class: str | None = None
         # Computed before our own fields are added: any tooleffect_* header
