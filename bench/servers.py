@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,11 +81,7 @@ def redis_server(*, appendonly: bool) -> Iterator[RedisServer]:
         if process.poll() is None:
             process.send_signal(signal.SIGKILL)
             process.wait(10)
-        for path in sorted(workdir.rglob("*"), reverse=True):
-            with contextlib.suppress(OSError):
-                path.unlink() if path.is_file() else path.rmdir()
-        with contextlib.suppress(OSError):
-            workdir.rmdir()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @dataclass
