@@ -85,7 +85,7 @@ def round_trips_table(figures: dict[str, VariantFigures]) -> str:
             f"{minimum['store']}" + (f" + {minimum['broker extra']} broker"
                                      if minimum["broker extra"] else ""),
             f"{sum(trips.values()):.2f}",
-            f"{commands:.1f} ({scripts:.0f} scripts)",
+            f"{commands:.1f} ({scripts:.0f} script{'' if round(scripts) == 1 else 's'})",
         ])
     return table(["variant", "broker (vs baseline)", "result backend", "tooleffect store",
                   "store minimum (contract)", "all round trips", "Redis commands"], rows)
@@ -115,6 +115,13 @@ def operations_table(timed: Sequence[Timed]) -> str:
                   "CLI peak memory (MiB)", "note"], rows)
 
 
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def machine() -> str:
     """One line on the machine and the versions the run used."""
     cpu = "unknown CPU"
@@ -135,7 +142,7 @@ def machine() -> str:
                             text=True, check=False).stdout.split()
     redis_version = next((word.split("=", 1)[1] for word in server if word.startswith("v=")),
                          "?")
-    versions = ", ".join(f"{name} {metadata.version(name)}"
-                         for name in ("celery", "kombu", "redis"))
+    versions = ", ".join(f"{name} {_version(name)}"
+                         for name in ("celery", "kombu", "redis", "hiredis"))
     return (f"{cpu}, {os.cpu_count()} cores, {memory}; Linux {platform.release()}; "
             f"Python {platform.python_version()}, {versions}, redis-server {redis_version}")
