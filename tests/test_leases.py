@@ -13,6 +13,7 @@ from celery.exceptions import ImproperlyConfigured
 from kombu import Connection, Queue
 
 from celery_tooleffect import AuditLog, DeadLetters, ToolEffect, ToolTask
+from celery_tooleffect.journal import JournalRef
 from celery_tooleffect.leases import Leases, LeaseVerdict
 from celery_tooleffect.runtime import runtime_for
 from celery_tooleffect.startup import run_checks
@@ -211,3 +212,38 @@ def test_a_deadline_longer_than_the_visibility_timeout_runs_once(
         wait_for(lambda: DeadLetters(app).get(result.id).late_outcomes,  # type: ignore[union-attr]
                  timeout=60, what="the first run's late outcome")
     assert counter.value(key) == 1
+
+
+def test_one_heartbeat_thread_keeps_every_running_write_of_a_process_alive(
+    make_app: Callable[..., Celery], main_redis: redis.Redis, prefix: str, counter: Counter
+) -> None:
+    """Three writes run at once in one process (threads pool) for longer than the
+    visibility timeout: the process's one heartbeat thread renews all their
+    leases, so none is restored, redelivered or dead-lettered."""
+    app = make_app(
+        broker_transport_options={"global_keyprefix": prefix, "visibility_timeout": 2,
+                                  "unacked_restore_interval": 1,
+                                  "unacked_restore_throttle": 1},
+        tooleffect_heartbeat_interval=0.3,
+    )
+
+    @app.task(base=ToolTask, name="tools.long_write", shared=False,
+              effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=20)
+    def long_write(key: str) -> str:
+        counter.hit(key)
+        time.sleep(4.0)  # the work: twice the visibility timeout, 13 heartbeat intervals
+        return key
+
+    with running_worker(app, concurrency=3):
+        results = [long_write.delay(f"w{number}") for number in range(3)]
+        assert [result.get(timeout=40) for result in results] == ["w0", "w1", "w2"]
+        audit = AuditLog(app)
+        for result in results:
+            events = audit.events(result.id)
+            assert [e["phase"] for e in events] == ["intent", "outcome"]
+            assert DeadLetters(app).get(result.id) is None
+            journal = runtime_for(app).journal.read(JournalRef(result.id, result.id))
+            assert journal["state"] == "succeeded"
+            # The intent leased 0.9 s (3 intervals); renewals carried it on.
+            assert float(journal["lease_end"]) - float(events[0]["ts"]) > 3.0, journal
+    assert [counter.value(f"w{number}") for number in range(3)] == [1, 1, 1]
