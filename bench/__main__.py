@@ -65,6 +65,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--workers", type=int, default=1, help="celery worker processes.")
     add("--concurrency", type=int, default=2, help="Pool processes per worker.")
     add("--prefetch", type=int, default=4, help="worker_prefetch_multiplier.")
+    add("--body-ms", type=float, default=0.0,
+        help="Milliseconds each body waits, as a tool on its provider (default 0).")
     add("--letters", type=int, default=100_000, help="Dead letters stored.")
     add("--replay", type=int, default=10_000, help="READ_ONLY letters replayed in bulk.")
     add("--small-letters", type=int, default=1000,
@@ -92,7 +94,8 @@ def call_phases(args: argparse.Namespace, server: RedisServer, phases: set[str],
     poller = CountingClient(server.client())
     quiet = producer_app(prefix, server.url, with_results=False)
     if "calls" in phases:
-        environment = worker_environment(prefix, server.url, prefetch=args.prefetch)
+        environment = worker_environment(prefix, server.url, prefetch=args.prefetch,
+                                         body_seconds=args.body_ms / 1000.0)
         with workers(args.workers, args.concurrency, environment, logdir,
                      f"{IDLE_QUEUE},{LATENCY_QUEUE}") as started:
             wait_ready(quiet, started)
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = [f"Machine: {results['machine']}", f"Command: `{results['command']}`",
                 f"Redis: {'AOF, fsync every second' if args.appendonly else 'no persistence'}"
                 f"; workers: {args.workers} x prefork concurrency {args.concurrency}, "
-                f"prefetch multiplier {args.prefetch}"]
+                f"prefetch multiplier {args.prefetch}; body: "
+                + (f"waits {args.body_ms:g} ms" if args.body_ms else "returns at once")]
     if phases & {"calls", "round-trips"}:
         with redis_server(appendonly=args.appendonly) as server:
             figures = call_phases(args, server, phases, logdir)

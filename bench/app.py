@@ -2,10 +2,11 @@
 # (Celery ships no type hints: @app.task is untyped, as it is in any user code.)
 """The Celery app the benchmark's ``celery worker`` processes run.
 
-One trivial body, five ways to run it: a plain Celery task with
-``acks_late=True`` (the baseline) and the four ``ToolTask`` variants the
-benchmark compares with it. The body does nothing on purpose: what is measured
-is the price the package adds to every call, not the work of a tool.
+One body, five ways to run it: a plain Celery task with ``acks_late=True``
+(the baseline) and the four ``ToolTask`` variants the benchmark compares with
+it. By default the body does nothing, so that what is measured is the price
+the package adds to every call; ``BENCH_BODY_SECONDS`` makes it wait, as a
+tool waiting on a provider does.
 
 Configured from the environment by ``bench.servers``: ``BENCH_PREFIX`` (every key
 of the run), ``BENCH_BROKER``, ``BENCH_BACKEND`` and ``BENCH_STORE`` (the
@@ -19,6 +20,7 @@ default cap of 100,000).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from celery import Celery
@@ -72,31 +74,43 @@ app.conf.update(
 )
 
 
+#: Seconds each body waits, as a tool waiting on its provider would
+#: (``--body-ms``); 0 by default, so that the tables show the whole price.
+BODY_SECONDS = float(os.environ.get("BENCH_BODY_SECONDS", "0"))
+
+
+def work(n: int) -> int:
+    """The body every variant shares."""
+    if BODY_SECONDS:
+        time.sleep(BODY_SECONDS)
+    return n
+
+
 @app.task(name="bench.plain", acks_late=True)
 def plain(n: int) -> int:
-    return n
+    return work(n)
 
 
 @app.task(base=ToolTask, name="bench.read_only")
 def read_only(n: int) -> int:
-    return n
+    return work(n)
 
 
 @app.task(base=ToolTask, name="bench.idempotent_write", effect=ToolEffect.IDEMPOTENT_WRITE)
 def idempotent_write(n: int) -> int:
-    return n
+    return work(n)
 
 
 @app.task(base=ToolTask, name="bench.non_idempotent_write",
           effect=ToolEffect.NON_IDEMPOTENT_WRITE)
 def non_idempotent_write(n: int) -> int:
-    return n
+    return work(n)
 
 
 @app.task(base=ToolTask, name="bench.non_idempotent_deadline",
           effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=60)
 def non_idempotent_deadline(n: int) -> int:
-    return n
+    return work(n)
 
 
 #: The variants, baseline first, in the order the rounds interleave them.

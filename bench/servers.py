@@ -135,11 +135,13 @@ def redis_cpu_seconds(client: redis.Redis) -> float:
 
 
 def worker_environment(prefix: str, broker: str, *, backend: str | None = None,
-                       store: str | None = None, prefetch: int = 4) -> dict[str, str]:
-    """What ``bench.app`` reads: the run's prefix and Redis URLs."""
+                       store: str | None = None, prefetch: int = 4,
+                       body_seconds: float = 0.0) -> dict[str, str]:
+    """What ``bench.app`` reads: the run's prefix, Redis URLs and body time."""
     return dict(
         os.environ, BENCH_PREFIX=prefix, BENCH_BROKER=broker, BENCH_BACKEND=backend or "",
-        BENCH_STORE=store or "", BENCH_PREFETCH=str(prefetch), PYTHONPATH=str(ROOT),
+        BENCH_STORE=store or "", BENCH_PREFETCH=str(prefetch),
+        BENCH_BODY_SECONDS=repr(body_seconds), PYTHONPATH=str(ROOT),
     )
 
 
