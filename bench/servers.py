@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,7 +21,7 @@ from typing import Any
 
 import redis
 
-from celery_tooleffect.demo import free_port, pings, redis_server_binary
+from celery_tooleffect.demo import redis_server as demo_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,43 +43,22 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
 class RedisServer:
     """A redis-server of the run's own, on a free loopback port."""
 
-    port: int
-    workdir: Path
+    url: str
     appendonly: bool
 
     @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1].split("/", 1)[0])
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=60)
+        return redis.Redis.from_url(self.url, socket_timeout=60)
 
 
 @contextlib.contextmanager
 def redis_server(*, appendonly: bool) -> Iterator[RedisServer]:
-    """Start a redis-server; with ``appendonly``, AOF with fsync every second
-    (what a store that must survive a restart runs with)."""
-    port = free_port()
-    workdir = Path(tempfile.mkdtemp(prefix="tooleffect-bench-redis-"))
-    persistence = (["--appendonly", "yes", "--appendfsync", "everysec"] if appendonly
-                   else ["--appendonly", "no"])
-    process = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--dir", str(workdir), *persistence],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    server = RedisServer(port, workdir, appendonly)
-    try:
-        wait_for(lambda: pings(server.url) or process.poll() is not None, 10,
-                 "redis-server to start")
-        if process.poll() is not None:
-            raise RuntimeError(f"redis-server did not start on port {port}")
-        yield server
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-            process.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
+    """Start a redis-server (the demo's), with or without AOF."""
+    with demo_redis_server(appendonly=appendonly) as url:
+        yield RedisServer(url, appendonly)
 
 
 @dataclass

@@ -196,13 +196,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    """A ``redis-server`` of the demo's own on a free port; yields its URL."""
+def redis_server(*, appendonly: bool = True) -> Iterator[str]:
+    """A ``redis-server`` of its own on a free port, in a temporary folder, killed
+    and removed afterwards; yields its URL. With ``appendonly``, AOF with fsync
+    every second (what a store that must survive a restart runs with)."""
     port = free_port()
-    workdir = tempfile.mkdtemp(prefix="tooleffect-demo-redis-")
+    workdir = tempfile.mkdtemp(prefix="tooleffect-redis-")
+    persistence = (["--appendonly", "yes", "--appendfsync", "everysec"] if appendonly
+                   else ["--appendonly", "no"])
     process = subprocess.Popen(
         [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-         "--dir", workdir, "--save", "", "--appendonly", "yes"],
+         "--dir", workdir, "--save", "", *persistence],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"redis://127.0.0.1:{port}/0"
