@@ -227,11 +227,18 @@ def test_one_heartbeat_thread_keeps_every_running_write_of_a_process_alive(
         tooleffect_heartbeat_interval=0.3,
     )
 
-    @app.task(base=ToolTask, name="tools.long_write", shared=False,
+    journal = runtime_for(app).journal
+
+    @app.task(base=ToolTask, name="tools.long_write", shared=False, bind=True,
               effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=20)
-    def long_write(key: str) -> str:
+    def long_write(self: ToolTask, key: str) -> str:
         counter.hit(key)
-        time.sleep(4.0)  # the work: twice the visibility timeout, 13 heartbeat intervals
+        started = time.time()
+        ref = JournalRef(str(self.request.id), str(self.request.id))
+        # The work lasts until renewals have carried the lease 3 s on: past
+        # the visibility timeout, about ten heartbeat intervals.
+        wait_for(lambda: float(journal.read(ref).get("lease_end", 0)) > started + 3.0,
+                 timeout=15, what="the heartbeat to renew the journal lease")
         return key
 
     with running_worker(app, concurrency=3):
@@ -242,8 +249,8 @@ def test_one_heartbeat_thread_keeps_every_running_write_of_a_process_alive(
             events = audit.events(result.id)
             assert [e["phase"] for e in events] == ["intent", "outcome"]
             assert DeadLetters(app).get(result.id) is None
-            journal = runtime_for(app).journal.read(JournalRef(result.id, result.id))
-            assert journal["state"] == "succeeded"
+            entry = journal.read(JournalRef(result.id, result.id))
+            assert entry["state"] == "succeeded"
             # The intent leased 0.9 s (3 intervals); renewals carried it on.
-            assert float(journal["lease_end"]) - float(events[0]["ts"]) > 3.0, journal
+            assert float(entry["lease_end"]) - float(events[0]["ts"]) > 3.0, entry
     assert [counter.value(f"w{number}") for number in range(3)] == [1, 1, 1]
