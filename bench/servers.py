@@ -3,6 +3,7 @@
 Everything runs on this machine, on loopback, and is stopped when the run
 ends. The redis-server is the run's own, so its command statistics count only
 the benchmark's traffic, and nothing of anyone else's is flushed or slowed.
+Waiting uses the test suite's bounded poll (``tests.conftest.wait_for``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,21 +22,9 @@ from typing import Any
 import redis
 
 from celery_tooleffect.demo import redis_server as demo_redis_server
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
-             interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until it returns a truthy value; raise after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass
@@ -158,4 +146,4 @@ def wait_ready(app: Any, started: list[Worker], timeout: float = 60.0) -> None:
         answered = {name for reply in replies for name in reply}
         return names <= answered
 
-    wait_for(ready, timeout, "the workers to answer a ping", interval=0.2)
+    wait_for(ready, timeout=timeout, interval=0.2, what="the workers to answer a ping")

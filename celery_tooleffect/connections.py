@@ -13,27 +13,35 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import redis
-from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.connection import PythonRespSerializer
 from redis.exceptions import DataError, ResponseError
 from redis.retry import Retry
 
-# With hiredis installed, redis-py packs commands with hiredis, which refuses
-# text that is not valid UTF-8 whatever ``encoding_errors`` says. The package's
-# clients pack with redis-py's own packer and the escaping encoder instead (the
-# replies are still parsed by hiredis when it is there).
-_ESCAPING_PACKER = PythonRespSerializer(
-    6000, Encoder("utf-8", "backslashreplace", False).encode  # type: ignore[no-untyped-call]
-)
+
+class _Packer:
+    """redis-py's command-packer interface over :func:`pack`, for every connection
+    of the package's clients.
+
+    With hiredis installed redis-py packs with hiredis, which refuses text that
+    is not valid UTF-8 whatever ``encoding_errors`` says; its own packer
+    escapes, but encodes argument by argument in Python. One packer for all
+    the package's commands, the hot path's and the others' alike.
+    """
+
+    def pack(self, *args: Any) -> list[bytes]:
+        return [pack([args])]
 
 
-class _EscapingConnection(redis.Connection):
-    """A connection that packs with :data:`_ESCAPING_PACKER` (for cluster nodes)."""
+_PACKER = _Packer()
+
+
+class _PackingConnection(redis.Connection):
+    """A connection that packs with :func:`pack` (for cluster nodes, which take a
+    connection class rather than a packer)."""
 
     def _construct_command_packer(self, packer: Any) -> Any:
-        return _ESCAPING_PACKER
+        return _PACKER
 
 
 _lock = threading.Lock()
@@ -70,19 +78,19 @@ def redis_client(url: str, socket_timeout: float, cluster: bool = False) -> redi
                 }
                 if cluster:
                     if url.startswith("redis://"):  # rediss:// picks its own class
-                        options["connection_class"] = _EscapingConnection
+                        options["connection_class"] = _PackingConnection
                     client = cast(redis.Redis, RedisCluster.from_url(url, **options))
                 else:
                     client = redis.Redis.from_url(
                         url, health_check_interval=30, retry_on_timeout=False,
-                        command_packer=_ESCAPING_PACKER, **options,
+                        command_packer=_PACKER, **options,
                     )
                 _clients[key] = client
     return client
 
 
 #: One Redis command as it goes on the wire: its name, then its arguments.
-Command = tuple[str | bytes | int | float, ...]
+Command = tuple[str | bytes | bytearray | memoryview | int | float, ...]
 
 
 def one_round_trip(client: redis.Redis, commands: Sequence[Command]) -> list[Any]:
@@ -125,20 +133,26 @@ def one_round_trip(client: redis.Redis, commands: Sequence[Command]) -> list[Any
 def pack(commands: Sequence[Command]) -> bytes:
     """``commands`` in the Redis protocol (RESP), as one buffer.
 
-    Text that is not valid UTF-8 is escaped (``backslashreplace``), as the
-    clients' encoder does. Written here because both packers redis-py offers
-    are wrong for the hot path: its own encodes argument by argument in Python
-    (a write call's ~150 arguments cost more CPU than its round trip), and
-    hiredis's refuses text that is not valid UTF-8.
+    Text that is not valid UTF-8 is escaped (``backslashreplace``). Written
+    here because both packers redis-py offers are wrong for the package: its
+    own encodes argument by argument in Python (a write call's ~150 arguments
+    cost more CPU than its round trip), and hiredis's refuses text that is not
+    valid UTF-8. As redis-py does, a command name with a space
+    (``"CONFIG GET"``) is sent as two words.
     """
     parts: list[bytes] = []
     for command in commands:
+        name = command[0]
+        if (isinstance(name, str) and " " in name) or (isinstance(name, bytes) and b" " in name):
+            command = (*name.split(), *command[1:])
         parts.append(b"*%d\r\n" % len(command))
         for argument in command:
             if isinstance(argument, str):
                 encoded = argument.encode("utf-8", "backslashreplace")
             elif isinstance(argument, bytes):
                 encoded = argument
+            elif isinstance(argument, (bytearray, memoryview)):
+                encoded = bytes(argument)
             elif isinstance(argument, (int, float)) and not isinstance(argument, bool):
                 encoded = repr(argument).encode()
             else:

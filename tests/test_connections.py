@@ -18,6 +18,18 @@ def test_pack_writes_what_redis_py_writes_for_text_bytes_and_numbers() -> None:
         "utf-8", "strict", False).encode).pack(*command))
     assert pack([command]) == expected
     assert pack([("PING",), ("PING",)]) == b"*1\r\n$4\r\nPING\r\n" * 2
+    # A command name with a space goes as two words, as redis-py sends it.
+    assert pack([("CONFIG GET", "maxmemory")]) == pack([("CONFIG", "GET", "maxmemory")])
+    assert pack([("SET", "k", memoryview(b"v"))]) == pack([("SET", "k", b"v")])
+
+
+def test_every_command_of_the_package_clients_is_packed_by_pack(prefix: str) -> None:
+    client = redis_client(REDIS_URL, 2.0)
+    key = f"{prefix}odd\udc80key"
+    client.hset(key, "field", "caf\u00e9 \ud800")
+    assert client.hget(key, "field") == "caf\u00e9 \\ud800".encode()
+    assert "maxmemory" in {name.decode() if isinstance(name, bytes) else name
+                           for name in client.config_get("maxmemory")}
 
 
 def test_pack_escapes_text_that_is_not_utf8_and_refuses_what_redis_cannot_hold() -> None:
