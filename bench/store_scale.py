@@ -18,6 +18,7 @@ grow with the number of letters.
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from celery_tooleffect import AuditLog, DeadLetters
 from celery_tooleffect.audit import StepContext, flatten, worker_identity
 from celery_tooleffect.dead_letters import DeadLetter, facets_of
 from celery_tooleffect.effect import ToolEffect
+from celery_tooleffect.envelope import MessageEnvelope
 from celery_tooleffect.lua import script
 
 from .peak_memory import MARK
@@ -46,6 +48,29 @@ EFFECTS = ("read_only", "idempotent_write", "non_idempotent_write")
 REPLAY_QUEUE = "bench-replay"
 
 
+def task_message(
+    task_id: str, name: str, queue: str, args: list[Any], kwargs: dict[str, Any], *,
+    run_id: str,
+) -> MessageEnvelope:
+    """A protocol 2 JSON task message as a worker receives it from Celery."""
+    body = json.dumps([args, kwargs, {"callbacks": None, "errbacks": None, "chain": None,
+                                      "chord": None}]).encode()
+    headers: dict[str, Any] = {
+        "lang": "py", "task": name, "id": task_id, "shadow": None, "eta": None,
+        "expires": None, "group": None, "group_index": None, "retries": 0,
+        "timelimit": [None, None], "root_id": task_id, "parent_id": None,
+        "argsrepr": repr(tuple(args)), "kwargsrepr": repr(kwargs),
+        "origin": "gen1@bench", "ignore_result": False, "replaced_task_nesting": 0,
+        "stamped_headers": None, "stamps": {}, "tooleffect_run_id": run_id,
+    }
+    return MessageEnvelope(
+        body=body, content_type="application/json", content_encoding="utf-8",
+        headers=headers, properties={"correlation_id": task_id, "reply_to": "bench",
+                                     "delivery_mode": 2, "priority": 0},
+        exchange="", routing_key=queue,
+    )
+
+
 def varied_letters(count: int, *, first: int = 0) -> Iterator[DeadLetter]:
     """``count`` dead letters spread over queues, reasons, classes and effects."""
     start = time.time() - first - count
@@ -57,7 +82,9 @@ def varied_letters(count: int, *, first: int = 0) -> Iterator[DeadLetter]:
             task_id=f"{uuid.UUID(int=number)}", name=f"agent.tool_{number % 7}",
             queue=QUEUES[number % 3], reason=reason,
             failure_class=failure_class, effect=EFFECTS[(number // 3) % 3],
-            args=[f"customer-{number}", number], kwargs={"note": "x" * 40},
+            message=task_message(f"{uuid.UUID(int=number)}", f"agent.tool_{number % 7}",
+                                 QUEUES[number % 3], [f"customer-{number}", number],
+                                 {"note": "x" * 40}, run_id=f"run-{number // 4}"),
             run_id=f"run-{number // 4}", exception_type="ProviderError",
             error=f"provider said no to request {number}", attempts=1 + number % 3,
             worker="host:1234", dead_lettered_at=start + number,
@@ -68,10 +95,13 @@ def replayable_letters(count: int, task_name: str) -> Iterator[DeadLetter]:
     """``count`` READ_ONLY letters in :data:`REPLAY_QUEUE` that a bulk replay may take."""
     start = time.time() - count
     for number in range(count):
+        task_id = uuid.uuid4().hex
         yield DeadLetter(
-            task_id=uuid.uuid4().hex, name=task_name, queue=REPLAY_QUEUE,
+            task_id=task_id, name=task_name, queue=REPLAY_QUEUE,
             reason="retries_exhausted", failure_class="connection", effect="read_only",
-            args=[number], run_id=f"replay-run-{number}", exception_type="ConnectionError",
+            message=task_message(task_id, task_name, REPLAY_QUEUE, [number], {},
+                                 run_id=f"replay-run-{number}"),
+            run_id=f"replay-run-{number}", exception_type="ConnectionError",
             error="provider unreachable", attempts=4, worker="host:1234",
             dead_lettered_at=start + number,
         )

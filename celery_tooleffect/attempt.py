@@ -16,11 +16,14 @@ from typing import Any
 
 from .audit import StepContext, worker_identity
 from .effect import ToolEffect
+from .envelope import REPLAY_HEADER
 from .journal import JournalRef
 
-#: The only ``tooleffect_*`` message header a producer may set.
+#: The ``tooleffect_*`` message headers a producer may set: the run id, and the
+#: mark a dead-letter replay leaves (informational: workers decide from the
+#: journal, so setting it grants nothing).
 RUN_ID_HEADER = "tooleffect_run_id"
-ALLOWED_HEADERS = frozenset({RUN_ID_HEADER})
+ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, REPLAY_HEADER})
 #: Request fields the worker's main process adds for the pool process; never
 #: taken from a message.
 TOKEN_FIELD = "tooleffect_token"

@@ -189,7 +189,8 @@ def dlq_list(ctx: click.Context, queue: str | None, failure_class: str | None,
     next_cursor = page.next_cursor.encode() if page.next_cursor else None
     if as_json:
         _echo_json({
-            "dead_letters": [letter_summary(letter, privacy) for letter in page.letters],
+            "dead_letters": [letter_summary(letter, privacy, operations.accept)
+                             for letter in page.letters],
             "next_cursor": next_cursor,
             "total": page.total,
         })
@@ -274,9 +275,15 @@ def dlq_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     click.echo(key_values(pairs, width=width))
     if replay["refusal"]:
         click.echo("\n" + textwrap.fill(replay["refusal"], width=width))
+    message = letter.get("message") or {}
     for title, value in (("error", letter["error"]), ("args", letter["args"]),
-                         ("kwargs", letter["kwargs"]), ("options", letter["options"]),
-                         ("raw body", letter.get("raw_body"))):
+                         ("kwargs", letter["kwargs"]), ("canvas", letter.get("canvas")),
+                         ("not decoded", letter.get("decode_error")),
+                         ("headers", message.get("headers")),
+                         ("properties", message.get("properties")),
+                         ("body (base64)", message.get("body_base64")),
+                         ("options (version 1 letter)", letter.get("options")),
+                         ("raw body (version 1 letter)", letter.get("raw_body"))):
         if value in (None, "", [], {}):
             continue
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,

@@ -30,10 +30,10 @@ Celery handler                         dead-letter reason
 The failure class is always ``client_error``: the producer sent something no
 worker can run. The letter is keyed by the message's task id (a generated one
 when the message has none, so a message without an id that is delivered twice
-yields two letters) and carries the raw body (UTF-8 text, or base64 when it is
-not valid UTF-8; ``raw_body_encoding`` says which), the content type
-and content encoding, and whatever of the envelope could be read: name, args,
-kwargs, run id, root and parent id, routing.
+yields two letters) and keeps the message exactly as it was delivered (body
+bytes, content type and encoding, headers, properties, routing: see
+:mod:`celery_tooleffect.envelope`), so that once the task exists (or its
+content type is accepted) a replay publishes it unchanged.
 
 What it promises:
 
@@ -82,7 +82,6 @@ consumer step can catch it.
 
 from __future__ import annotations
 
-import base64
 import logging
 import uuid
 from collections.abc import Callable, Mapping
@@ -96,6 +95,7 @@ from .attempt import queue_name, resolve_run_id
 from .audit import StepContext, worker_identity
 from .dead_letters import DeadLetter, DeadLetterReason
 from .effect import ToolEffect, ToolEffectResolver
+from .envelope import MessageEnvelope
 from .errors import StoreUnavailable
 from .failures import FailureClass
 from .runtime import runtime_for
@@ -108,10 +108,6 @@ REQUEUE_DELAY = 1.0
 
 #: Set on a consumer whose handlers are wrapped, so they are wrapped once.
 _WRAPPED = "_tooleffect_dead_letters"
-
-#: Message fields copied into a dead letter's ``options`` (what a replay needs).
-_OPTION_FIELDS = ("root_id", "parent_id", "retries")
-
 
 def install_consumer_step(app: Any) -> None:
     """Make workers of ``app`` dead-letter the messages their consumer refuses.
@@ -277,14 +273,13 @@ def build_refused_letter(
     """The dead letter of a refused ``message``, and the audit context of its task.
 
     ``body`` is the payload Celery already decoded (protocol 1), if any. Reads
-    only what can be read: a field that cannot be decoded is left empty, and
-    the raw body always keeps the whole message.
+    only what can be read: a field that cannot be decoded is left empty; the
+    letter's message keeps everything as it was delivered.
     """
     headers = _mapping(getattr(message, "headers", None))
     payload = body if body is not None else _decoded(message, reason)
     fields = dict(payload) if isinstance(payload, Mapping) else {}
     fields.update(headers)
-    args, kwargs = _arguments(payload)
 
     task_id = str(fields.get("id") or uuid.uuid4().hex)
     name = str(fields.get("task") or "")
@@ -300,13 +295,6 @@ def build_refused_letter(
             f"task {name!r} is not registered on this worker" if name
             else "not a Celery task message: it names no task"
         )
-    raw_body, raw_encoding = _raw_body(getattr(message, "body", None))
-    options: dict[str, Any] = {key: fields.get(key) for key in _OPTION_FIELDS}
-    options.update(
-        priority=_mapping(getattr(message, "properties", None)).get("priority"),
-        exchange=delivery_info.get("exchange"),
-        routing_key=delivery_info.get("routing_key"),
-    )
     letter = DeadLetter(
         task_id=task_id,
         name=name,
@@ -314,19 +302,12 @@ def build_refused_letter(
         reason=reason.value,
         failure_class=FailureClass.CLIENT_ERROR.value,
         effect=effect.value,
-        args=args,
-        kwargs=kwargs,
-        headers={"tooleffect_run_id": run_id},
-        options={key: value for key, value in options.items() if value is not None},
         run_id=run_id,
         exception_type=type(exc).__qualname__ if exc is not None else "",
         error=error,
         attempts=0,
         worker=worker_identity(),
-        raw_body=raw_body,
-        raw_body_encoding=raw_encoding,
-        content_type=_text(getattr(message, "content_type", None)),
-        content_encoding=_text(getattr(message, "content_encoding", None)),
+        message=MessageEnvelope.of_message(message),
     )
     context = StepContext(
         run_id=run_id,
@@ -350,38 +331,11 @@ def _decoded(message: Any, reason: DeadLetterReason) -> Any:
         return None
 
 
-def _arguments(payload: Any) -> tuple[list[Any], dict[str, Any]]:
-    """``(args, kwargs)`` of a protocol 2 body ``[args, kwargs, embed]`` or a protocol 1 dict."""
-    if isinstance(payload, (list, tuple)) and len(payload) == 3:
-        args, kwargs = payload[0], payload[1]
-    elif isinstance(payload, Mapping):
-        args, kwargs = payload.get("args"), payload.get("kwargs")
-    else:
-        return [], {}
-    return (
-        list(args) if isinstance(args, (list, tuple)) else [],
-        dict(kwargs) if isinstance(kwargs, Mapping) else {},
-    )
-
-
 def _effect(app: Any, name: str) -> ToolEffect:
     try:
         return ToolEffectResolver(app).effect_for(name)
     except Exception:
         return ToolEffectResolver.UNKNOWN_TOOL_EFFECT
-
-
-def _raw_body(body: Any) -> tuple[str | None, str | None]:
-    """The body as UTF-8 text when it is valid UTF-8, else as base64."""
-    if body is None:
-        return None, None
-    if isinstance(body, str):
-        return body, "utf-8"
-    data = bytes(body)
-    try:
-        return data.decode("utf-8"), "utf-8"
-    except UnicodeDecodeError:
-        return base64.b64encode(data).decode("ascii"), "base64"
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:

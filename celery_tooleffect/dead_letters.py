@@ -1,9 +1,9 @@
 """Dead letters: tasks that will not run again by themselves, kept for operators.
 
-A dead letter holds the full envelope needed to publish the task again, plus
-why it was dead-lettered. They live in the broker's Redis when the broker is
-Redis (so an outage of a separate audit store can still dead-letter), else in
-the store's Redis.
+A dead letter holds the message exactly as the broker delivered it (see
+:mod:`celery_tooleffect.envelope`), plus why it was dead-lettered. They live
+in the broker's Redis when the broker is Redis (so an outage of a separate
+audit store can still dead-letter), else in the store's Redis.
 
 Per queue: a hash of envelopes by task id and a sorted set by time, so listing
 is paged and reading one is O(1). The first reason stored for a task wins
@@ -24,7 +24,7 @@ import enum
 import heapq
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ import redis
 
 from .audit import text
 from .connections import redis_client
+from .envelope import MessageEnvelope
 from .errors import StoreUnavailable
 from .keys import Keys
 from .lua import script
@@ -39,6 +40,17 @@ from .settings import Settings, settings_for
 
 if TYPE_CHECKING:
     from celery import Celery
+
+
+#: Version of the envelope this release writes (see :class:`DeadLetter`).
+ENVELOPE_VERSION = 2
+
+
+#: Content types whose decoding runs no code of the message's choosing
+#: (kombu's YAML decoder is ``yaml.safe_load``).
+SAFE_CONTENT = ("json", "msgpack", "yaml")
+
+_V1 = "v1_"
 
 
 class DeadLetterReason(str, enum.Enum):
@@ -57,10 +69,15 @@ class DeadLetterReason(str, enum.Enum):
 
 @dataclass
 class DeadLetter:
-    """The envelope of a dead-lettered task and why it is here.
+    """A dead-lettered task: the message as the broker delivered it, and why it is here.
 
-    ``args``, ``kwargs`` and ``headers`` are kept verbatim because a replay
-    needs them; whoever can read the dead-letter keys can read them.
+    ``message`` (envelope version 2) keeps the message whole, so that a replay
+    publishes the same bytes, headers and properties (see
+    :mod:`celery_tooleffect.envelope`); whoever can read the dead-letter keys
+    can read it. Letters written before version 2 have no ``message``: they
+    carry ``args``, ``kwargs``, ``headers`` and ``options`` instead (and
+    ``raw_body`` for a message that could not be decoded), read into the
+    ``v1_`` fields, and are still shown and replayed as they were.
     """
 
     task_id: str
@@ -69,10 +86,6 @@ class DeadLetter:
     reason: str
     failure_class: str
     effect: str
-    args: list[Any] = field(default_factory=list)
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    headers: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, Any] = field(default_factory=dict)
     run_id: str = ""
     exception_type: str = ""
     error: str = ""
@@ -80,24 +93,102 @@ class DeadLetter:
     worker: str = ""
     body_completed: bool = False
     dead_lettered_at: float = field(default_factory=time.time)
-    #: For a message that could not be decoded: its body as text (or base64),
-    #: with the content type and encoding it claimed.
-    raw_body: str | None = None
-    raw_body_encoding: str | None = None
-    content_type: str | None = None
-    content_encoding: str | None = None
+    #: The message as the broker delivered it (version 2).
+    message: MessageEnvelope | None = None
+    #: Envelope version: 1 for letters without ``message``.
+    version: int = ENVELOPE_VERSION
     #: Outcomes reported by a worker that had lost its lease after the task
     #: was dead-lettered: the write still ran, and this says how it ended.
     late_outcomes: list[dict[str, str]] = field(default_factory=list)
+    # -- version 1 only (stored under these names without the ``v1_`` prefix) --
+    v1_args: list[Any] = field(default_factory=list)
+    v1_kwargs: dict[str, Any] = field(default_factory=dict)
+    v1_headers: dict[str, Any] = field(default_factory=dict)
+    v1_options: dict[str, Any] = field(default_factory=dict)
+    v1_raw_body: str | None = None
+    v1_raw_body_encoding: str | None = None
+    v1_content_type: str | None = None
+    v1_content_encoding: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form (the stored envelope); :meth:`from_dict` reads it back equal."""
+        data: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if name.startswith(_V1):
+                if self.version == 1:
+                    data[name[len(_V1):]] = value
+                continue
+            data[name] = value
+        data["message"] = self.message.to_dict() if self.message is not None else None
+        return data
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), default=repr, ensure_ascii=False)
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeadLetter:
+        known = set(cls.__dataclass_fields__)
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in known and not key.startswith(_V1):
+                values[key] = value
+            elif _V1 + key in known:
+                values[_V1 + key] = value
+        values.setdefault("version", 1)  # letters from before the field existed
+        message = values.get("message")
+        values["message"] = MessageEnvelope.from_dict(message) if message else None
+        return cls(**values)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> DeadLetter:
-        data = json.loads(text)
-        known = {name for name in cls.__dataclass_fields__}
-        return cls(**{key: value for key, value in data.items() if key in known})
+        return cls.from_dict(json.loads(text))
+
+    @property
+    def args(self) -> list[Any]:
+        """The task's positional arguments, decoded (JSON, msgpack or YAML bodies;
+        empty when the body cannot be decoded that way). Use :meth:`payload`
+        with the app's ``accept_content`` for other content types."""
+        return self._safe_payload()[0]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The task's keyword arguments, decoded as :attr:`args` is."""
+        return self._safe_payload()[1]
+
+    def _safe_payload(self) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+        try:
+            return self.payload(SAFE_CONTENT)
+        except Exception:
+            return [], {}, {}
+
+    @property
+    def headers_as_delivered(self) -> Mapping[str, Any]:
+        """The message's headers (version 1: the few it kept)."""
+        return self.message.headers if self.message is not None else self.v1_headers
+
+    def payload(self, accept: Any) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+        """``(args, kwargs, embed)`` of the task, decoded for display only.
+
+        ``accept``: the app's ``accept_content``. Raises what kombu raises when
+        the body cannot (or may not) be decoded. ``embed`` holds the canvas
+        fields of a protocol 2 body (``callbacks``, ``errbacks``, ``chain``,
+        ``chord``).
+        """
+        if self.message is None:
+            return list(self.v1_args), dict(self.v1_kwargs), {}
+        body = self.message.decoded(accept)
+        if isinstance(body, (list, tuple)) and len(body) == 3:
+            args, kwargs, embed = body
+        elif isinstance(body, Mapping):  # protocol 1
+            args, kwargs, embed = body.get("args"), body.get("kwargs"), {}
+        else:
+            raise ValueError(f"not a task body: {type(body).__name__}")
+        return (
+            list(args) if isinstance(args, (list, tuple)) else [],
+            dict(kwargs) if isinstance(kwargs, Mapping) else {},
+            dict(embed) if isinstance(embed, Mapping) else {},
+        )
 
 
 class DeadLetters:

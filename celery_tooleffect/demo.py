@@ -366,7 +366,7 @@ def describe_dead_letter(letter: DeadLetter | None) -> str:
         "attempts": letter.attempts,
         "args": letter.args,
         "kwargs": letter.kwargs,
-        "headers": letter.headers,
+        "headers": dict(letter.headers_as_delivered),
         "worker": letter.worker,
         "dead_lettered_at": time.strftime(
             "%Y-%m-%d %H:%M:%S", time.localtime(letter.dead_lettered_at)

@@ -71,6 +71,10 @@ class DeadLettered(Reject):  # type: ignore[misc]
         self.description = description
         self.failure_class = failure_class
         self.dead_letter_reason = dead_letter_reason
+        #: The letter a tool decided, until the process that holds the message
+        #: stores it (a ``celery_tooleffect.runtime.PendingLetter``); None once
+        #: stored, so that it never reaches a result backend.
+        self.pending_letter: Any = None
 
     def __str__(self) -> str:
         return (

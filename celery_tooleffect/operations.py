@@ -52,11 +52,12 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .attempt import RUN_ID_HEADER
 from .audit import MASK, describe_payload, worker_identity
+from .chords import chord_member, chord_refusal
 from .dead_letters import (
     DeadLetter,
     DeadLetterQuery,
@@ -64,6 +65,7 @@ from .dead_letters import (
     DeadLetterStats,
 )
 from .effect import ToolEffect
+from .envelope import shown
 from .errors import StoreUnavailable
 from .journal import JournalRef, JournalState
 from .runtime import ToolRuntime, runtime_for
@@ -165,10 +167,12 @@ def replay_refusal(
     """
     label = _label(letter)
     effect = letter_effect(letter)
-    if letter.reason == DeadLetterReason.UNDECODABLE_MESSAGE.value or not letter.name:
+    if not letter.name or (
+        letter.message is None and letter.reason == DeadLetterReason.UNDECODABLE_MESSAGE.value
+    ):
         return (
-            f"{label} cannot be replayed: its message could not be read, so there is no "
-            "task to publish (the raw body is kept in the dead letter); purge it once handled"
+            f"{label} cannot be replayed: its message names no task that could be "
+            "published (the body is kept in the dead letter); purge it once handled"
         )
     if force and not reason.strip():
         return f"{label}: a forced replay needs a reason (--reason): it is audited with why"
@@ -207,11 +211,13 @@ def _recorded_outcome(letter: DeadLetter, journal_state: str | None) -> str:
     return ""
 
 
-def letter_summary(letter: DeadLetter, privacy: str) -> dict[str, Any]:
+def letter_summary(letter: DeadLetter, privacy: str, accept: Any = None) -> dict[str, Any]:
     """One listed letter, as the stable JSON of ``dlq list`` and ``/api/dead-letters``.
 
-    Arguments and the error message follow ``privacy``: at ``metadata`` only
-    their sizes (``args_size``, ``kwargs_size``, ``error_size``).
+    Arguments (decoded from the body with ``accept``, the app's
+    ``accept_content``) and the error message follow ``privacy``: at
+    ``metadata`` only their sizes (``args_size``, ``kwargs_size``,
+    ``error_size``). A body that cannot be decoded adds ``decode_error``.
     """
     summary: dict[str, Any] = {
         "task_id": letter.task_id,
@@ -228,7 +234,10 @@ def letter_summary(letter: DeadLetter, privacy: str) -> dict[str, Any]:
         "late_outcomes": len(letter.late_outcomes),
         "dead_lettered_at": letter.dead_lettered_at,
     }
-    for name, value in describe_payload(privacy, args=letter.args, kwargs=letter.kwargs).items():
+    args, kwargs, _, problem = _decoded_payload(letter, accept)
+    if problem:
+        summary["decode_error"] = problem
+    for name, value in describe_payload(privacy, args=shown(args), kwargs=shown(kwargs)).items():
         summary[name] = int(value) if name.endswith("_size") else value
     if privacy == "full":
         summary["error"] = letter.error
@@ -240,28 +249,81 @@ def letter_summary(letter: DeadLetter, privacy: str) -> dict[str, Any]:
 
 
 def letter_detail(
-    letter: DeadLetter, journal: dict[str, str] | None, *, taken: bool = False
+    letter: DeadLetter, journal: dict[str, str] | None, *, taken: bool = False,
+    accept: Any = None, chord_refusal: str | None = None,
 ) -> dict[str, Any]:
     """One letter in full, as the stable JSON of ``dlq show`` and ``/api/dead-letters/<id>``.
 
-    ``replay`` previews the rules: ``allowed`` (without force), ``needs_force``
-    and the ``refusal`` a plain replay would get.
+    ``dead_letter`` is :func:`letter_view`. ``replay`` previews the rules:
+    ``allowed`` (without force), ``needs_force`` and the ``refusal`` a plain
+    replay would get.
     """
     state = (journal or {}).get("state")
-    plain = replay_refusal(letter, force=False, reason="", bulk=False, journal_state=state)
-    forced = replay_refusal(letter, force=True, reason="why", bulk=False, journal_state=state)
+    plain = chord_refusal or replay_refusal(letter, force=False, reason="", bulk=False,
+                                            journal_state=state)
+    forced = chord_refusal or replay_refusal(letter, force=True, reason="why", bulk=False,
+                                             journal_state=state)
+    bulk = chord_refusal or replay_refusal(letter, force=False, reason="", bulk=True,
+                                           journal_state=state)
     return {
-        "dead_letter": asdict(letter),
+        "dead_letter": letter_view(letter, accept),
         "journal": journal or None,
         "replay_in_progress": taken,
         "replay": {
             "allowed": plain is None,
             "needs_force": plain is not None and forced is None,
-            "bulk": replay_refusal(letter, force=False, reason="", bulk=True,
-                                   journal_state=state) is None,
+            "bulk": bulk is None,
             "refusal": plain,
         },
     }
+
+
+def letter_view(letter: DeadLetter, accept: Any = None) -> dict[str, Any]:
+    """A letter as operators see it: JSON-safe, decoded for display only.
+
+    ``args``, ``kwargs`` and ``canvas`` (callbacks, errbacks, chain, chord)
+    are decoded from the kept body with kombu's serializers for the content
+    types ``accept`` allows; a value JSON has no type for is shown as
+    ``{"$text": repr, "$type": type}``. ``message`` shows the headers,
+    properties and routing as delivered and the body's size; the body itself
+    (base64) only when it could not be decoded. Nothing shown is written back.
+    """
+    data = letter.to_dict()
+    message = data.pop("message")
+    args, kwargs, embed, problem = _decoded_payload(letter, accept)
+    data.update(args=shown(args), kwargs=shown(kwargs),
+                canvas=shown({key: value for key, value in embed.items() if value}),
+                decode_error=problem)
+    if letter.message is not None:
+        envelope = letter.message
+        data["message"] = {
+            "protocol": envelope.protocol,
+            "content_type": envelope.content_type,
+            "content_encoding": envelope.content_encoding,
+            "headers": shown(dict(envelope.headers)),
+            "properties": shown(dict(envelope.properties)),
+            "exchange": envelope.exchange,
+            "routing_key": envelope.routing_key,
+            "body_size": len(envelope.body),
+            "body_base64": message["body"] if problem else None,
+        }
+    else:
+        data["message"] = None
+    return data
+
+
+def _decoded_payload(
+    letter: DeadLetter, accept: Any
+) -> tuple[list[Any], dict[str, Any], dict[str, Any], str | None]:
+    """``(args, kwargs, embed, problem)``: the decoded body, or empty values and why not.
+
+    ``accept`` None means Celery's default (JSON only), never "anything".
+    """
+    try:
+        args, kwargs, embed = letter.payload(accept if accept is not None else ("json",))
+    except Exception as exc:
+        return [], {}, {}, f"body not decoded: {type(exc).__name__}: {exc}"
+    return args, kwargs, embed, None
 
 
 class DeadLetterOperations:
@@ -274,6 +336,11 @@ class DeadLetterOperations:
     @property
     def privacy(self) -> str:
         return self.runtime.settings.privacy
+
+    @property
+    def accept(self) -> Any:
+        """The content types this app's workers accept: what may be decoded for display."""
+        return self.app.conf.accept_content
 
     # -- reading -----------------------------------------------------------------
 
@@ -290,7 +357,18 @@ class DeadLetterOperations:
             if unfinished is None:
                 return None
             letter, taken = unfinished[0], True
-        return letter_detail(letter, self._journal(letter), taken=taken)
+        return letter_detail(letter, self._journal(letter), taken=taken, accept=self.accept,
+                             chord_refusal=self._chord_refusal(letter))
+
+    def _chord_refusal(self, letter: DeadLetter) -> str | None:
+        """Why a replay of ``letter`` could not complete its chord (None: not in one, or it can)."""
+        member = chord_member(letter, self.accept)
+        if member is None:
+            return None
+        try:
+            return chord_refusal(self.app, letter, member, reopen=False)
+        except Exception as exc:  # the result backend did not answer
+            return f"{_label(letter)}: its chord {member.group_id} could not be checked: {exc}"
 
     def _journal(self, letter: DeadLetter) -> dict[str, str] | None:
         if not letter_effect(letter).is_write:
@@ -327,6 +405,7 @@ class DeadLetterOperations:
                 letters.put_back(letter)
                 letter = letters.get(task_id) or letter
             refusal = replay_refusal(letter, force=force, reason=reason, bulk=bulk)
+            refusal = refusal or self._chord_refusal(letter)
             if refusal:
                 return self._result(letter, "replay", Outcome.REFUSED, refusal)
             taken = letters.take(task_id)
@@ -380,7 +459,11 @@ class DeadLetterOperations:
                                 f"{_label(letter)} not replayed: {exc}")
 
         try:
-            publish(self.app, letter)
+            member = chord_member(letter, self.accept)
+            closed = member and chord_refusal(self.app, letter, member, reopen=True)
+            if closed:
+                raise ChordEnded(closed)
+            publish(self.app, letter, mark=f"{time.time():.6f} {actor}")
         except Exception as exc:
             failed = dict(event, phase="replay_failed", status="not_published",
                           exception_type=type(exc).__qualname__)
@@ -395,6 +478,8 @@ class DeadLetterOperations:
             else:
                 runtime.audit.record_step(failed)
             letters.put_back(letter)
+            if isinstance(exc, ChordEnded):
+                return self._result(letter, "replay", Outcome.REFUSED, str(exc))
             return self._result(letter, "replay", Outcome.FAILED,
                                 f"{_label(letter)} not published ({type(exc).__name__}: "
                                 f"{exc}); the dead letter is kept")
@@ -499,23 +584,41 @@ def _journal_refusal(letter: DeadLetter, state: str, detail: str) -> str:
 
 
 def _run_id(letter: DeadLetter) -> str:
-    return str(letter.run_id or letter.headers.get(RUN_ID_HEADER) or letter.task_id)
+    return str(letter.run_id or letter.headers_as_delivered.get(RUN_ID_HEADER) or letter.task_id)
 
 
-def publish(app: Celery, letter: DeadLetter) -> None:
-    """Publish ``letter``'s task again: same id, name, arguments, run id and options.
+class ChordEnded(Exception):
+    """The chord of a replayed member ended meanwhile; the replay is refused."""
 
-    ``retries`` is 0: a replayed task has its whole retry budget again.
+
+def publish(app: Celery, letter: DeadLetter, *, mark: str) -> None:
+    """Publish ``letter``'s message again, as :meth:`MessageEnvelope.replayed` says:
+    the same bytes, headers and properties, to the same exchange and routing key,
+    with ``retries`` 0, no ``eta`` or ``expires``, and the replay ``mark``.
+
+    The app's queue of that name is declared first when the app knows it.
+    A letter of envelope version 1 (no message kept) is published as it
+    always was: a new message with its name, arguments, run id and options.
     """
-    options = letter.options
+    if letter.message is None:
+        _publish_version_1(app, letter)
+        return
+    message = letter.message.replayed(mark)
+    queue = app.amqp.queues.get(letter.queue)
+    with app.producer_or_acquire() as producer:
+        message.publish(producer, declare=[queue] if queue is not None else [])
+
+
+def _publish_version_1(app: Celery, letter: DeadLetter) -> None:
+    options = letter.v1_options
     extra: dict[str, Any] = {}
     for name in ("root_id", "parent_id", "priority"):
         if options.get(name) is not None:
             extra[name] = options[name]
     app.send_task(
         letter.name,
-        args=list(letter.args),
-        kwargs=dict(letter.kwargs),
+        args=list(letter.v1_args),
+        kwargs=dict(letter.v1_kwargs),
         task_id=letter.task_id,
         queue=letter.queue,
         headers={RUN_ID_HEADER: _run_id(letter)},

@@ -23,6 +23,7 @@ class to the ``task-failed`` event that Flower shows.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
@@ -50,9 +51,10 @@ from .attempt import (
 )
 from .dead_letters import DeadLetterReason
 from .effect import ToolEffect
+from .envelope import MessageEnvelope
 from .errors import DeadLettered, LeaseLost, RetriesExhausted, StoreUnavailable
 from .journal import JournalState
-from .runtime import ToolRuntime, build_letter, runtime_for
+from .runtime import PendingLetter, ToolRuntime, build_letter, runtime_for
 from .strategy import check_request, request_built
 
 logger = logging.getLogger(__name__)
@@ -134,6 +136,10 @@ class ToolRequest(Request):  # type: ignore[misc]
         )
         if lost_child or isinstance(exc, TimeLimitExceeded):
             return self._on_interrupted(exc)
+        # A tool decided a dead letter; the message is here: store it.
+        decided = isinstance(exc, DeadLettered) and exc.pending_letter is not None
+        if decided and not self._store_decided_letter(exc):
+            return None
         if not isinstance(exc, (Reject, Retry, Ignore, Terminated, MemoryError)):
             # Every ending a tool decides is a Retry, a Reject or an Ignore:
             # this failure came from outside its decisions (the result backend
@@ -207,6 +213,24 @@ class ToolRequest(Request):  # type: ignore[misc]
         else:
             self._run_again(attempt, exc)
 
+    def _store_decided_letter(self, rejection: DeadLettered) -> bool:
+        """Store the letter a tool decided, with this message; False when it could
+        not be stored (the message is then requeued, never deleted)."""
+        pending: PendingLetter = rejection.pending_letter
+        rejection.pending_letter = None
+        letter = replace(pending.letter, message=MessageEnvelope.of_message(self._message))
+        try:
+            self.runtime.finish_dead_letter(self._attempt(), letter, journalled=pending.journalled)
+        except Exception as kept:
+            # A later delivery finds the journal 'dead_lettering' and finishes it.
+            logger.error("dead letter of %s[%s] not stored, requeueing the message: %s: %s",
+                         self.name, self.id, type(kept).__name__, kept)
+            self._tooleffect_done = True
+            worker_state.task_ready(self)
+            self.reject(requeue=True)
+            return False
+        return True
+
     def _dead_letter(
         self, attempt: Attempt, reason: DeadLetterReason, exc: BaseException,
         event: dict[str, str],
@@ -215,16 +239,7 @@ class ToolRequest(Request):  # type: ignore[misc]
         failure_class = runtime.classifier.classify(exc)
         letter = build_letter(
             attempt, reason=reason, failure_class=failure_class, exc=exc,
-            args=self.args, kwargs=self.kwargs,
-            options={
-                "root_id": self._request_dict.get("root_id"),
-                "parent_id": self._request_dict.get("parent_id"),
-                "retries": attempt.retries,
-                "priority": (self.delivery_info or {}).get("priority"),
-                "exchange": (self.delivery_info or {}).get("exchange"),
-                "routing_key": (self.delivery_info or {}).get("routing_key"),
-            },
-            attempts=attempt.retries + 1,
+            attempts=attempt.retries + 1, message=MessageEnvelope.of_message(self._message),
         )
         try:
             rejection: DeadLettered = runtime.dead_letter(

@@ -626,29 +626,28 @@ class ToolTask(Task):  # type: ignore[misc]
         allowed: Iterable[JournalState | str] | None = None,
         journalled: bool = True,
     ) -> NoReturn:
-        """Dead-letter a queued run and reject its message; raise for an interactive one."""
+        """Decide the dead letter of a queued run (raise for an interactive one).
+
+        The journal moves to ``dead_lettering`` here; the ``DeadLettered``
+        raised carries the letter to the worker's main process, which holds
+        the message: ``ToolRequest`` stores it with the message as delivered,
+        then rejects the message (see :mod:`celery_tooleffect.runtime`).
+        """
         if attempt.interactive:
             raise exc
         runtime = self.runtime
         letter = build_letter(
             attempt, reason=reason, failure_class=failure_class, exc=exc,
-            args=request.args, kwargs=request.kwargs,
-            options=_replay_options(request), attempts=attempts,
-            body_completed=body_completed,
+            attempts=attempts, body_completed=body_completed,
         )
         event = outcome_event or attempt.context.event(
             "outcome", reason.value, attempt=attempts or None, exception=exc,
             failure_class=failure_class.value,
         )
-        try:
-            rejection = runtime.dead_letter(
-                attempt, letter, outcome_event=event, owned=owned, exc=exc,
-                allowed=allowed, journalled=journalled and attempt.effect.is_write,
-            )
-        except StoreUnavailable as store_down:
-            logger.error("dead letter of %s[%s] not stored, keeping the message: %s",
-                         self.name, attempt.task_id, store_down)
-            raise Reject(store_down, requeue=True) from exc
+        rejection = runtime.begin_dead_letter(
+            attempt, letter, outcome_event=event, owned=owned, exc=exc,
+            allowed=allowed, journalled=journalled and attempt.effect.is_write,
+        )
         raise rejection from exc
 
 
@@ -667,19 +666,6 @@ def _refuse_relabel(name: str, options: Mapping[str, Any]) -> None:
 def _message_headers(request: Context) -> Mapping[str, Any]:
     headers = getattr(request, "headers", None)
     return headers if isinstance(headers, Mapping) else {}
-
-
-def _replay_options(request: Context) -> dict[str, Any]:
-    """What a replay needs besides name and arguments."""
-    delivery_info = request.delivery_info or {}
-    return {
-        "root_id": request.root_id,
-        "parent_id": request.parent_id,
-        "retries": int(request.retries or 0),
-        "priority": delivery_info.get("priority"),
-        "exchange": delivery_info.get("exchange"),
-        "routing_key": delivery_info.get("routing_key"),
-    }
 
 
 def _already_ended(runtime: ToolRuntime, attempt: Attempt) -> bool:

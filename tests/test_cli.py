@@ -377,7 +377,8 @@ def test_a_write_whose_body_completed_says_it_already_ran(tools: Tools) -> None:
         letter = DeadLetter(
             task_id=f"completed-{effect.value}", name=NAMES[effect], queue="tools",
             reason="not_retryable", failure_class="unknown", effect=effect.value,
-            args=[f"done-{effect.value}"], run_id=f"run-completed-{effect.value}",
+            v1_args=[f"done-{effect.value}"], version=1,  # a letter of release 0.1
+            run_id=f"run-completed-{effect.value}",
             exception_type="AuditPersistenceFailed", body_completed=True,
         )
         letters.store(letter)
@@ -430,7 +431,8 @@ def test_an_undecodable_message_cannot_be_replayed(tools: Tools) -> None:
     app = tools.app
     letter = DeadLetter(
         task_id="undecodable-1", name="", queue="tools", reason="undecodable_message",
-        failure_class="client_error", effect="non_idempotent_write", raw_body="\x00garbage",
+        failure_class="client_error", effect="non_idempotent_write",
+        v1_raw_body="\x00garbage", version=1,
         run_id="undecodable-1",
     )
     DeadLetters(app).store(letter)
