@@ -326,7 +326,8 @@ def _request(url: str, *, method: str = "GET", body: dict[str, Any] | None = Non
 def _store(app: Celery, effect: ToolEffect, key: str) -> DeadLetter:
     letter = DeadLetter(
         task_id=f"{key}-{uuid.uuid4().hex[:6]}", name=NAMES[effect], queue="tools",
-        reason="not_retryable", failure_class="auth", effect=effect.value, args=[key],
+        reason="not_retryable", failure_class="auth", effect=effect.value,
+        v1_args=[key], version=1,  # a letter of release 0.1 (no message kept)
         run_id=f"run-{key}", exception_type="TokenRevoked", attempts=1,
     )
     assert DeadLetters(app).store(letter)
@@ -361,7 +362,7 @@ def test_api_follows_flowers_basic_auth_and_the_replay_rules(
     assert _request(f"{flower.url}/api/dead-letters/nope", user=ops)[0] == 404
     assert _request(f"{flower.url}/api/dead-letters?effect=bogus", user=ops)[0] == 400
 
-    # A cross-site POST is refused by Flower's own XSRF rule.
+    # A cross-site POST is refused (more in tests/test_flower_xsrf.py).
     status, _ = _request(f"{flower.url}/api/dead-letters/{idem.task_id}/replay", method="POST",
                          body={}, user=ops, headers={"Sec-Fetch-Site": "cross-site"})
     assert status == 403
