@@ -355,7 +355,8 @@ class DeadLettersPage(_DeadLetterMixin, BaseHandler):  # type: ignore[misc]
         self.set_status(status)
         self.render(
             "tooleffect_dead_letters.html",
-            letters=[letter_summary(letter, operations.privacy) for letter in page.letters],
+            letters=[letter_summary(letter, operations.privacy, operations.accept)
+                     for letter in page.letters],
             next_cursor=page.next_cursor.encode() if page.next_cursor else "",
             paged=cursor is not None,
             total=page.total,
@@ -453,7 +454,7 @@ class DeadLettersApi(_DeadLetterMixin, BaseApiHandler):  # type: ignore[misc]
             limit=_limit(get("limit", ""), 50), before=_cursor(get("cursor", "")),
         )
         self.write({
-            "dead_letters": [letter_summary(letter, operations.privacy)
+            "dead_letters": [letter_summary(letter, operations.privacy, operations.accept)
                              for letter in page.letters],
             "next_cursor": page.next_cursor.encode() if page.next_cursor else None,
             "total": page.total,
