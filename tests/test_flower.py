@@ -213,6 +213,17 @@ def test_dead_letters_page_in_a_real_browser(
     app = tools.app
     flower = start_flower()  # first, so that it sees the task-failed events
     with running_worker(app):
+        # Flower subscribes to the events after its web server is up: wait until
+        # it has seen a task, so that it cannot miss the task-failed events below.
+        tools.fix("page-probe")
+        probe = app.send_task(NAMES[ToolEffect.READ_ONLY], args=["page-probe"])
+        succeeded(app, probe.id)
+
+        def flower_knows_the_probe() -> bool:
+            browser.get(f"{flower.url}/task/{probe.id}")
+            return "Unknown task" not in browser.page_source and probe.id in browser.page_source
+        wait_for(flower_knows_the_probe, timeout=20, interval=0.5,
+                 what="Flower to receive task events")
         read = tools.dead_letter(ToolEffect.READ_ONLY, "page-read")
         idem = tools.dead_letter(ToolEffect.IDEMPOTENT_WRITE, "page-idem")
         write = tools.dead_letter(ToolEffect.NON_IDEMPOTENT_WRITE, "page-write")
