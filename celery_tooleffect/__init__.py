@@ -18,12 +18,14 @@ from .errors import (
     LeaseNotSecured,
     RetriesExhausted,
     StoreUnavailable,
+    ToolDeclarationError,
 )
 from .failures import CircuitOpenError, FailureClass, FailureClassifier, NoSideEffect
 from .journal import Journal, JournalState
-from .task import ToolTask
+from .task import AttemptInProgress, ToolTask
 
 __all__ = [
+    "AttemptInProgress",
     "AuditLog",
     "AuditPersistenceFailed",
     "CircuitOpenError",
@@ -43,6 +45,7 @@ __all__ = [
     "NoSideEffect",
     "RetriesExhausted",
     "StoreUnavailable",
+    "ToolDeclarationError",
     "ToolEffect",
     "ToolEffectInterface",
     "ToolEffectResolver",

@@ -47,7 +47,7 @@ EXIT_REFUSED = 1
 
 _REASONS = (
     "not_retryable", "retries_exhausted", "interrupted_write", "unknown_task",
-    "undecodable_message", "malformed_message",
+    "undecodable_message", "malformed_message", "revoked",
 )
 _CLASSES = (
     "connection", "rate_limit", "auth", "configuration", "client_error", "server_error",

@@ -59,6 +59,8 @@ class DeadLetterReason(str, enum.Enum):
     NOT_RETRYABLE = "not_retryable"
     RETRIES_EXHAUSTED = "retries_exhausted"
     INTERRUPTED_WRITE = "interrupted_write"
+    #: ``revoke(terminate=True)`` stopped the write while its body ran.
+    REVOKED = "revoked"
     UNKNOWN_TASK = "unknown_task"
     UNDECODABLE_MESSAGE = "undecodable_message"
     MALFORMED_MESSAGE = "malformed_message"

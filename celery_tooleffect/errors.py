@@ -50,6 +50,14 @@ class EffectRelabelRefused(ImproperlyConfigured):  # type: ignore[misc]
     """
 
 
+class ToolDeclarationError(ImproperlyConfigured):  # type: ignore[misc]
+    """A tool declares options that would break its effect's promise.
+
+    Raised when the task is bound (at import of the module that defines it),
+    with what to do instead.
+    """
+
+
 class DeadLettered(Reject):  # type: ignore[misc]
     """The message was stored as a dead letter and is rejected without requeue.
 
@@ -98,6 +106,10 @@ class LeaseLost(Ignore):  # type: ignore[misc]
 
 class InterruptedWrite(Exception):
     """A non-idempotent write started and never finished; it is never run again."""
+
+
+class TaskRevokedWhileRunning(Exception):
+    """``revoke(terminate=True)`` stopped a write while its body ran; it is a dead letter."""
 
 
 class RetriesExhausted(Exception):

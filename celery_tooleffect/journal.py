@@ -12,6 +12,13 @@ States of a task's entry::
                                    |   \\--settle--> failed            (interactive runs)
                                    |----mark_interrupted--> interrupted
                                    \\--begin_dead_lettering--> dead_lettering --> dead_lettered
+    (absent), retry_scheduled, replayed, interrupted --revoked/expired--> not_run
+
+``not_run`` is terminal: the task was revoked or expired before its body
+started, and a later delivery is acknowledged without running. The entry
+also counts how earlier attempts ended (``ended_failed``,
+``ended_interrupted``, ``ended_requested``), so that a spent retry budget
+says what spent it.
 
 A transition is fenced by the attempt's owner token: a worker that lost its
 lease cannot move the entry, and its outcome is stored as a ``late_outcome``
@@ -47,6 +54,21 @@ class JournalState(str, enum.Enum):
     DEAD_LETTERING = "dead_lettering"
     DEAD_LETTERED = "dead_lettered"
     REPLAYED = "replayed"
+    #: Revoked or expired before its body started; never runs.
+    NOT_RUN = "not_run"
+
+
+class Ending(str, enum.Enum):
+    """How an attempt that may be followed by another one ended (counted per entry)."""
+
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    REQUESTED = "requested"
+
+    @property
+    def counter(self) -> str:
+        """The journal field that counts these endings."""
+        return f"ended_{self.value}"
 
 
 class Verdict(str, enum.Enum):
@@ -58,6 +80,7 @@ class Verdict(str, enum.Enum):
     DEAD_LETTERING = "dead_lettering"
     OWNED = "owned"
     INTERRUPTED = "interrupted"
+    NOT_RUN = "not_run"
     EXHAUSTED = "exhausted"
 
 
@@ -71,6 +94,8 @@ class Begin:
     #: For STARTED: the intent event, whose copy to the global stream is left
     #: to travel with the attempt's outcome (see ``Journal.transition``).
     intent_event: Mapping[str, str] | None = None
+    #: For EXHAUSTED: how the earlier attempts ended.
+    endings: Mapping[Ending, int] | None = None
 
     @property
     def owner_lease_end(self) -> float:
@@ -148,17 +173,21 @@ class Journal:
         ]
         try:
             try:
-                verdict, attempt, detail = script("begin_attempt")(self.client, keys, args)
+                answer = script("begin_attempt")(self.client, keys, args)
             except AMBIGUOUS:
                 # The script may have run and only its answer been lost. Sent
                 # again under the same token it answers 'started' for the
                 # intent it recorded, instead of the next delivery finding an
                 # intent nobody owns (a non-idempotent write would then be
                 # dead-lettered without ever having run).
-                verdict, attempt, detail = script("begin_attempt")(self.client, keys, args)
+                answer = script("begin_attempt")(self.client, keys, args)
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
-        result = Begin(Verdict(text(verdict)), int(attempt), text(detail))
+        verdict, attempt, detail = answer[:3]
+        endings = None
+        if len(answer) == 6:
+            endings = {ending: int(count) for ending, count in zip(Ending, answer[3:], strict=True)}
+        result = Begin(Verdict(text(verdict)), int(attempt), text(detail), endings=endings)
         if result.verdict is Verdict.STARTED:
             # Saves a round trip on the hot path: the copy rides with the outcome.
             return Begin(result.verdict, result.attempt, result.detail, intent_event=event)
@@ -177,6 +206,7 @@ class Journal:
         fields: Mapping[str, str] | None = None,
         record_late: bool = True,
         earlier_copy: Mapping[str, str] | None = None,
+        ending: Ending | None = None,
     ) -> Transition:
         """Move the entry to ``new_state`` and store ``event``, atomically.
 
@@ -186,6 +216,7 @@ class Journal:
         Raises :class:`StoreUnavailable` when nothing could be stored.
         ``earlier_copy`` is an event stored before (the attempt's intent)
         whose global-stream copy goes first in the same round trip.
+        ``ending`` counts, when the entry moves, how the attempt ended.
         """
         journal_fields = flatten(fields or {})
         now = f"{time.time():.6f}"
@@ -211,6 +242,7 @@ class Journal:
                     self.settings.run_stream_maxlen,
                     now,
                     "1" if record_late else "0",
+                    ending.counter if ending is not None else "",
                     len(journal_fields) // 2,
                     *journal_fields,
                     *event_fields,

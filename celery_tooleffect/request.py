@@ -15,6 +15,13 @@ after the body returned, a signal handler raised) is ended the same way, with
 a journal that says the outcome was recorded acknowledged as is: Celery would
 otherwise delete the message of a read whose result was never stored.
 
+A task revoked (``revoke``, ``expires``) is announced by Celery here, which
+then acknowledges its message; before that the journal and audit say how it
+ended: revoked or expired before its body started, it is ``not_run`` (a later
+delivery never runs it); a write terminated (``revoke(terminate=True)``, any
+signal) while its body ran is dead-lettered REVOKED, stored while the message
+is still held.
+
 It also forgets, without acknowledging, a message whose attempt lost its
 lease (see :class:`~celery_tooleffect.errors.LeaseLost`), and adds the failure
 class to the ``task-failed`` event that Flower shows.
@@ -52,15 +59,30 @@ from .attempt import (
 from .dead_letters import DeadLetterReason
 from .effect import ToolEffect
 from .envelope import MessageEnvelope
-from .errors import DeadLettered, LeaseLost, RetriesExhausted, StoreUnavailable
-from .journal import JournalState
+from .errors import (
+    DeadLettered,
+    InterruptedWrite,
+    LeaseLost,
+    RetriesExhausted,
+    StoreUnavailable,
+    TaskRevokedWhileRunning,
+)
+from .journal import Ending, JournalState
 from .runtime import PendingLetter, ToolRuntime, build_letter, runtime_for
 from .strategy import check_request, request_built
 
 logger = logging.getLogger(__name__)
 
 #: Journal states that mean the pool child settled the attempt before it died.
-SETTLED_STATES = frozenset({JournalState.SUCCEEDED.value, JournalState.DEAD_LETTERED.value})
+SETTLED_STATES = frozenset({
+    JournalState.SUCCEEDED.value, JournalState.DEAD_LETTERED.value, JournalState.NOT_RUN.value,
+})
+#: Journal states from which a revoked or expired task ends without running:
+#: no attempt of it runs now (an interrupted NON_IDEMPOTENT_WRITE is the
+#: exception: it becomes a dead letter, as its next delivery would make it).
+NOT_RUN_FROM = (
+    "absent", JournalState.RETRY_SCHEDULED, JournalState.REPLAYED, JournalState.INTERRUPTED,
+)
 
 
 def _exception_info(exc: BaseException) -> ExceptionInfo:
@@ -186,7 +208,7 @@ class ToolRequest(Request):  # type: ignore[misc]
                 moved = runtime.journal.transition(
                     attempt.ref, new_state=JournalState.INTERRUPTED,
                     allowed=[JournalState.RUNNING], token=attempt.token, event=event,
-                    record_late=False,
+                    record_late=False, ending=Ending.INTERRUPTED,
                 )
             except StoreUnavailable as store_down:
                 # Whether the body began is unknown: assume it did (fail closed).
@@ -203,15 +225,108 @@ class ToolRequest(Request):  # type: ignore[misc]
 
         if attempt.effect is ToolEffect.NON_IDEMPOTENT_WRITE and body_started:
             self._dead_letter(attempt, DeadLetterReason.INTERRUPTED_WRITE, exc, event)
-        elif attempt.retries >= runtime.settings.max_retries:
+        elif attempt.retries >= (budget := self.task.retry_policy.budget):
             self._dead_letter(
                 attempt, DeadLetterReason.RETRIES_EXHAUSTED,
-                RetriesExhausted(f"{self.name}[{self.id}] interrupted ({why}); "
-                                 "retry budget spent"),
+                RetriesExhausted(f"{self.name}[{self.id}] not run again: interrupted ({why}) "
+                                 f"after {attempt.retries} retries; its retry budget of "
+                                 f"{budget} is spent"),
                 event,
             )
         else:
             self._run_again(attempt, exc)
+
+    def _announce_revoked(
+        self, reason: str, terminated: bool, signum: Any, expired: bool
+    ) -> Any:
+        # Celery calls this when it discards a revoked or expired task (before
+        # it runs) and when revoke(terminate=True) signals the pool child that
+        # runs it; it then marks the task REVOKED and acknowledges the message.
+        if not self._tooleffect_done:
+            self._tooleffect_done = True
+            try:
+                kept = self._record_revoked(terminated=terminated, expired=expired,
+                                            signum=signum)
+            except Exception as exc:
+                logger.error("%s[%s] revoked; its ending could not be recorded: %s: %s",
+                             self.name, self.id, type(exc).__name__, exc)
+                kept = True
+            if kept:
+                # The dead letter the ending needs is not stored: the message
+                # stays (a later delivery settles it from the journal).
+                self.reject(requeue=True)
+        return super()._announce_revoked(reason, terminated, signum, expired)
+
+    def _record_revoked(self, *, terminated: bool, expired: bool, signum: Any) -> bool:
+        """Record how a revoked task ended; True when its message must be kept."""
+        runtime = self.runtime
+        attempt = self._attempt()
+        cause = "expired" if expired else "revoked"
+        not_run = attempt.context.event("outcome", "not_run", cause=cause)
+        if not attempt.effect.is_write:
+            if terminated:
+                runtime.audit.record_step(attempt.context.event(
+                    "outcome", DeadLetterReason.REVOKED.value, signal=str(signum)))
+            else:
+                runtime.audit.record_step(not_run)
+            return False
+        allowed = NOT_RUN_FROM if attempt.effect.safe_to_retry else NOT_RUN_FROM[:-1]
+        moved = runtime.journal.transition(
+            attempt.ref, new_state=JournalState.NOT_RUN, allowed=allowed, event=not_run,
+            fields={"cause": cause}, record_late=False,
+        )
+        if moved:
+            return False
+        previous = moved.previous_state
+        if terminated and previous == JournalState.RUNNING.value:
+            # The body ran (or was about to): the write may have happened.
+            stopped = TaskRevokedWhileRunning(
+                f"{self.name}[{self.id}] was terminated by revoke (signal {signum}) while "
+                "its body ran; the write may have happened and is not run again"
+            )
+            return self._store_letter(
+                attempt, DeadLetterReason.REVOKED, stopped,
+                attempt.context.event("outcome", DeadLetterReason.REVOKED.value,
+                                      exception=stopped, signal=str(signum)),
+                owned=True,
+            ) is None
+        if previous == JournalState.INTERRUPTED.value:
+            interrupted = InterruptedWrite(
+                f"{self.name}[{self.id}] started and never finished, then was {cause}; "
+                "a non-idempotent write is never run twice"
+            )
+            return self._store_letter(
+                attempt, DeadLetterReason.INTERRUPTED_WRITE, interrupted,
+                attempt.context.event("outcome", DeadLetterReason.INTERRUPTED_WRITE.value,
+                                      exception=interrupted),
+                owned=False,
+            ) is None
+        # Settled already, or another delivery runs it: that one ends it.
+        return False
+
+    def _store_letter(
+        self, attempt: Attempt, reason: DeadLetterReason, exc: BaseException,
+        event: dict[str, str], *, owned: bool,
+    ) -> DeadLettered | None:
+        """Dead-letter ``attempt`` with this message, here; the rejection that ends
+        the delivery, or None when the letter was not stored (keep the message)."""
+        runtime = self.runtime
+        failure_class = runtime.classifier.classify(exc)
+        letter = build_letter(
+            attempt, reason=reason, failure_class=failure_class, exc=exc,
+            attempts=attempt.retries + 1, message=MessageEnvelope.of_message(self._message),
+        )
+        try:
+            rejection = runtime.dead_letter(
+                attempt, letter, outcome_event=event, owned=owned, exc=exc,
+                journalled=attempt.effect.is_write,
+            )
+        except (StoreUnavailable, LeaseLost) as kept:
+            logger.error("%s[%s] not dead-lettered (%s), keeping the message: %s",
+                         self.name, self.id, reason.value, kept)
+            return None
+        self._tooleffect_failure_class = failure_class.value
+        return rejection
 
     def _store_decided_letter(self, rejection: DeadLettered) -> bool:
         """Store the letter a tool decided, with this message; False when it could
@@ -235,23 +350,15 @@ class ToolRequest(Request):  # type: ignore[misc]
         self, attempt: Attempt, reason: DeadLetterReason, exc: BaseException,
         event: dict[str, str],
     ) -> None:
-        runtime = self.runtime
-        failure_class = runtime.classifier.classify(exc)
-        letter = build_letter(
-            attempt, reason=reason, failure_class=failure_class, exc=exc,
-            attempts=attempt.retries + 1, message=MessageEnvelope.of_message(self._message),
+        """Dead-letter ``attempt`` and end this delivery (requeued when not stored)."""
+        rejection = self._store_letter(
+            attempt, reason, exc, dict(event, phase="outcome", status=reason.value),
+            owned=False,
         )
-        try:
-            rejection: DeadLettered = runtime.dead_letter(
-                attempt, letter, outcome_event=dict(event, phase="outcome", status=reason.value),
-                owned=False, exc=exc, journalled=attempt.effect.is_write,
-            )
-        except (StoreUnavailable, LeaseLost) as kept:
-            logger.error("%s[%s] not dead-lettered, requeueing: %s", self.name, self.id, kept)
+        if rejection is None:
             worker_state.task_ready(self)
             self.reject(requeue=True)
             return
-        self._tooleffect_failure_class = failure_class.value
         super().on_failure(_exception_info(rejection))
 
     def _run_again(self, attempt: Attempt, exc: BaseException) -> None:

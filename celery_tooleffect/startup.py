@@ -6,6 +6,8 @@ error; one that only weakens it is warned about loudly:
 - on Redis, ``tooleffect_backoff_cap`` must be below the visibility timeout: a
   retry waiting for its countdown sits unacknowledged in a worker's memory, and
   kombu would restore it (so it runs twice) once the visibility timeout lapses.
+  The same holds for a tool's ``autoretry_for`` countdown (``retry_kwargs``
+  countdown, or ``retry_backoff_max`` with ``retry_backoff``);
   An ``operation_deadline`` may exceed the visibility timeout (that is what it
   is for): its lease is extended, and a delivery deferred to a live owner's
   lease end waits at most 80 % of the visibility timeout before it looks again
@@ -30,6 +32,7 @@ from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
 
 from .connections import redis_client
+from .retries import RetryPolicy
 from .settings import Settings, settings_for
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,8 @@ def configuration_errors(app: Any, settings: Settings) -> list[str]:
             f"visibility_timeout ({settings.visibility_timeout:g}s): a retry waiting for its "
             "countdown would be restored and run twice"
         )
+    if settings.broker_is_redis:
+        errors.extend(autoretry_errors(app, settings))
     amqp = str(settings.broker_url).startswith(("amqp", "pyamqp", "amqps"))
     if amqp and deadline > settings.rabbitmq_consumer_timeout:
         errors.append(
@@ -62,6 +67,23 @@ def configuration_errors(app: Any, settings: Settings) -> list[str]:
             f"consumer_timeout ({settings.rabbitmq_consumer_timeout:g}s, "
             "tooleffect_rabbitmq_consumer_timeout)"
         )
+    return errors
+
+
+def autoretry_errors(app: Any, settings: Settings) -> list[str]:
+    """Tools whose ``autoretry_for`` countdown could outlast the visibility timeout."""
+    errors = []
+    for name, task in sorted(app.tasks.items()):
+        if not getattr(task, "autoretry_for", None) or not hasattr(task, "retry_policy"):
+            continue
+        longest = RetryPolicy.of(task, settings, task.tool_effect).longest_countdown()
+        if longest >= settings.visibility_timeout:
+            errors.append(
+                f"{name}: its autoretry_for countdown can reach {longest:g}s "
+                "(retry_kwargs countdown, or retry_backoff_max with retry_backoff), not below "
+                f"the broker's visibility_timeout ({settings.visibility_timeout:g}s): a retry "
+                "waiting for its countdown would be restored and run twice"
+            )
     return errors
 
 

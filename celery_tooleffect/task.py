@@ -50,9 +50,16 @@ from .errors import (
     RetriesExhausted,
     StoreUnavailable,
 )
-from .failures import FailureClass, is_no_side_effect
-from .journal import Begin, JournalState, Verdict
+from .failures import FailureClass
+from .journal import Begin, Ending, JournalState, Verdict
 from .leases import Heartbeat, LeasePlan, LeaseVerdict, heartbeat_interval
+from .retries import (
+    REQUESTED_EXHAUSTED_MARK,
+    RetryPolicy,
+    exhausted_text,
+    refuse_autoretry,
+    refuse_unbounded_retries,
+)
 from .runtime import ToolRuntime, build_letter, runtime_for
 from .settings import refuse_unknown_settings
 from .signals import AUDITED_MARK, connect_signals
@@ -104,8 +111,6 @@ class ToolTask(Task):  # type: ignore[misc]
     Request = "celery_tooleffect.request:ToolRequest"
     Strategy = "celery_tooleffect.strategy:tool_strategy"
 
-    _signature: ClassVar[inspect.Signature | None] = None
-
     # -- binding and declaration -------------------------------------------
 
     @classmethod
@@ -127,6 +132,9 @@ class ToolTask(Task):  # type: ignore[misc]
                 f"operation_deadline {cls.operation_deadline}s"
             )
         refuse_unknown_settings(app.conf)
+        if "get_effect" not in _overridden(cls):
+            refuse_autoretry(cls, declared)
+        refuse_unbounded_retries(cls)
         connect_signals()
         install_consumer_step(app)
         install_startup_checks(app)
@@ -147,14 +155,39 @@ class ToolTask(Task):  # type: ignore[misc]
         """The declared effect (override to compute it in code)."""
         return ToolEffect.READ_ONLY if self.effect is None else ToolEffect.coerce(self.effect)
 
+    # What a tool resolves once is kept in the instance's own __dict__: each
+    # registered tool is its own instance, so nothing one tool resolved is
+    # found by another through the class hierarchy (a subclass tool would
+    # otherwise read its parent's).
+
     @property
     def tool_effect(self) -> ToolEffect:
         """The effect this tool declares, resolved once."""
         resolved = self.__dict__.get("_tool_effect")
         if resolved is None:
             resolved = ToolEffectResolver.effect_for_tool(self)
+            refuse_autoretry(self, resolved)
             self.__dict__["_tool_effect"] = resolved
         return resolved
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """This tool's retry budget and backoff (see :mod:`celery_tooleffect.retries`)."""
+        policy = self.__dict__.get("_retry_policy")
+        if policy is None:
+            policy = RetryPolicy.of(self, self.runtime.settings, self.tool_effect)
+            self.__dict__["_retry_policy"] = policy
+        return policy
+
+    @property
+    def max_retries(self) -> int:
+        """Celery's retry limit: the tool's retry budget.
+
+        A tool that declares ``max_retries`` overrides this; one that does not
+        gets the app's ``tooleffect_max_retries``, so that ``self.retry()``
+        and the package's own retries spend one budget.
+        """
+        return self.retry_policy.budget
 
     def mcp_annotations(self) -> dict[str, bool]:
         """MCP tool annotations of this tool."""
@@ -171,15 +204,40 @@ class ToolTask(Task):  # type: ignore[misc]
         (every republish of a task from its own request goes through here)."""
         return without_internal_fields(super().signature_from_request(*args, **kwargs))
 
-    def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's retry, except that a retry that cannot be published keeps its
-        message (requeued) instead of deleting it, as Celery's Reject would."""
+    def retry(
+        self, args: Any = None, kwargs: Any = None, exc: BaseException | None = None,
+        throw: bool = True, eta: Any = None, countdown: float | None = None,
+        max_retries: int | None = None, **options: Any,
+    ) -> Any:
+        """Celery's retry (the tool's own decision, honoured for every effect), except:
+
+        - it spends the tool's one retry budget: ``max_retries`` may lower it for
+          this call, never raise it;
+        - once the budget is spent, what Celery raises (``exc``, or
+          ``MaxRetriesExceededError``) ends the task as a dead letter
+          RETRIES_EXHAUSTED that says requested retries spent it;
+        - a retry that cannot be published keeps its message (requeued)
+          instead of deleting it, as Celery's ``Reject`` would.
+        """
+        budget = self.retry_policy.budget
+        limit = budget if max_retries is None else min(int(max_retries), budget)
+        request = self.request
+        spent = not request.called_directly and int(request.retries or 0) + 1 > limit
         try:
-            return super().retry(*args, **kwargs)
+            return super().retry(
+                args, kwargs, exc, throw, eta, countdown,
+                max_retries=None if max_retries is None else limit, **options,
+            )
         except Reject as rejected:
             if rejected.requeue:
                 raise
             raise Reject(rejected.reason, requeue=True) from rejected
+        except Retry:
+            raise
+        except BaseException as raised:
+            if spent:
+                raised.__dict__[REQUESTED_EXHAUSTED_MARK] = limit
+            raise
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         _refuse_relabel(self.name, options)
@@ -261,10 +319,21 @@ class ToolTask(Task):  # type: ignore[misc]
 
     def _run_signature(self) -> inspect.Signature:
         # Of the bound ``run``, so that ``bind=True`` tools do not count ``self``.
-        cls = type(self)
-        if cls._signature is None:
-            cls._signature = inspect.signature(self.run)
-        return cls._signature
+        signature = self.__dict__.get("_signature")
+        if signature is None:
+            signature = inspect.signature(self._body())
+            self.__dict__["_signature"] = signature
+        return signature
+
+    def _body(self) -> Any:
+        """The tool's own ``run``, without Celery's ``autoretry_for`` wrapper.
+
+        ``@app.task(autoretry_for=...)`` wraps ``run`` to call ``self.retry()``
+        (celery/app/autoretry.py); a tool's retries are decided by its
+        :class:`~celery_tooleffect.retries.RetryPolicy` instead, which reads
+        the same options and spends the tool's one budget.
+        """
+        return self.__dict__.get("_orig_run") or self.run
 
     def _run_read_only(
         self, attempt: Attempt, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -274,8 +343,11 @@ class ToolTask(Task):  # type: ignore[misc]
         number = attempt.retries + 1
         started = time.monotonic()
         try:
-            result = self.run(*args, **kwargs)
-        except (Ignore, Retry, Reject):
+            result = self._body()(*args, **kwargs)
+        except Retry as requested:
+            runtime.audit.record_step(_requested_retry_event(attempt, number, requested))
+            raise
+        except (Ignore, Reject):
             raise
         except Exception as exc:
             failure_class = runtime.classifier.classify(exc)
@@ -307,7 +379,7 @@ class ToolTask(Task):  # type: ignore[misc]
         try:
             try:
                 with self._heartbeat(attempt, plan):
-                    result = self.run(*args, **kwargs)
+                    result = self._body()(*args, **kwargs)
             except BaseException:
                 # The intent's global-stream copy normally rides with the
                 # outcome (one round trip less); on a failure it goes alone.
@@ -318,8 +390,8 @@ class ToolTask(Task):  # type: ignore[misc]
             # The tool called self.retry(): the attempt ends here, by choice.
             self._settle(
                 attempt, JournalState.RETRY_SCHEDULED,
-                attempt.context.event("outcome", "retrying", attempt=number, requested="1"),
-                cause=requested,
+                _requested_retry_event(attempt, number, requested),
+                cause=requested, ending=Ending.REQUESTED,
             )
             raise
         except (Ignore, Reject):
@@ -439,7 +511,7 @@ class ToolTask(Task):  # type: ignore[misc]
                 token=attempt.token,
                 effect=attempt.effect.value,
                 lease_end=plan.journal_lease_end,
-                attempts_allowed=settings.max_retries + 1,
+                attempts_allowed=self.retry_policy.attempts_allowed,
                 event=attempt.context.event(
                     "intent", "started",
                     payload={**_payload(settings.privacy, args=args, kwargs=kwargs), **lease_note},
@@ -465,7 +537,7 @@ class ToolTask(Task):  # type: ignore[misc]
         verdict = begin.verdict
         if verdict is Verdict.STARTED:
             return begin
-        if verdict in (Verdict.DONE, Verdict.DEAD_LETTERED):
+        if verdict in (Verdict.DONE, Verdict.DEAD_LETTERED, Verdict.NOT_RUN):
             raise Ignore()
         if verdict is Verdict.OWNED:
             self._come_back_later(attempt, request, begin)
@@ -480,13 +552,14 @@ class ToolTask(Task):  # type: ignore[misc]
                 ),
                 FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
             )
-        # Verdict.EXHAUSTED: interruptions spent the retry budget.
+        # Verdict.EXHAUSTED: earlier attempts spent the retry budget (the
+        # journal counted how they ended).
         self._dead_letter(
             attempt, request, DeadLetterReason.RETRIES_EXHAUSTED,
-            RetriesExhausted(
-                f"{self.name}[{attempt.task_id}] was interrupted; {begin.attempt} "
-                "attempt(s) spent its retry budget"
-            ),
+            RetriesExhausted(exhausted_text(
+                self.name, attempt.task_id, attempts=begin.attempt,
+                budget=self.retry_policy.budget, endings=begin.endings or {},
+            )),
             FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
         )
 
@@ -506,6 +579,7 @@ class ToolTask(Task):  # type: ignore[misc]
         """Retry, dead-letter or raise ``exc``; never returns."""
         runtime = self.runtime
         settings = runtime.settings
+        policy = self.retry_policy
         context = attempt.context
         journalled = attempt.effect.is_write and body_started
         outcome = context.event(
@@ -519,35 +593,50 @@ class ToolTask(Task):  # type: ignore[misc]
             exc.__dict__.setdefault("failure_class", failure_class.value)
             setattr(exc, AUDITED_MARK, True)
             raise exc
-        may_retry = failure_class.retryable and (
-            attempt.effect.safe_to_retry or not body_started or is_no_side_effect(exc)
+        requested_limit = exc.__dict__.get(REQUESTED_EXHAUSTED_MARK)
+        if requested_limit is not None:
+            # self.retry() found the budget spent and raised the tool's error.
+            spent = RetriesExhausted(
+                f"{self.name}[{attempt.task_id}] asked for a retry (self.retry()) after "
+                f"{attempt.retries} retries; its retry budget of {requested_limit} is spent. "
+                f"Last error: {type(exc).__name__}: {exc}"
+            )
+            self._dead_letter(
+                attempt, request, DeadLetterReason.RETRIES_EXHAUSTED, spent, failure_class,
+                owned=journalled, attempts=number, outcome_event=outcome,
+            )
+        decision = policy.after_failure(
+            exc, failure_class, retries=attempt.retries, attempt=number,
+            body_started=body_started,
         )
-        if may_retry and number <= settings.max_retries:
-            countdown = settings.backoff(attempt.retries)
+        if decision.retry:
             if journalled:
-                retrying = dict(outcome, status="retrying", countdown=f"{countdown:g}")
+                retrying = dict(outcome, status="retrying", countdown=f"{decision.countdown:g}")
                 try:
-                    self._settle(attempt, JournalState.RETRY_SCHEDULED, retrying, cause=exc)
+                    self._settle(attempt, JournalState.RETRY_SCHEDULED, retrying, cause=exc,
+                                 ending=Ending.FAILED)
                 except AuditPersistenceFailed as lost:
                     self._dead_letter(
                         attempt, request, DeadLetterReason.NOT_RETRYABLE, lost,
                         FailureClass.UNKNOWN, owned=True, attempts=number,
                     )
-            self._publish_retry(request, exc, countdown)
-        reason = DeadLetterReason.RETRIES_EXHAUSTED if may_retry else DeadLetterReason.NOT_RETRYABLE
+            self._publish_retry(request, exc, decision.countdown)
+        reason = (DeadLetterReason.RETRIES_EXHAUSTED if decision.exhausted
+                  else DeadLetterReason.NOT_RETRYABLE)
         self._dead_letter(
             attempt, request, reason, exc, failure_class, owned=journalled,
             attempts=number, outcome_event=outcome,
         )
 
     def _settle(
-        self, attempt: Attempt, state: JournalState, event: Mapping[str, str], *, cause: Exception
+        self, attempt: Attempt, state: JournalState, event: Mapping[str, str], *,
+        cause: Exception, ending: Ending | None = None,
     ) -> None:
         """Record a failed attempt's outcome; fail closed when it cannot be stored."""
         try:
             moved = self.runtime.journal.transition(
                 attempt.ref, new_state=state, allowed=[JournalState.RUNNING],
-                token=attempt.token, event=event,
+                token=attempt.token, event=event, ending=ending,
             )
         except StoreUnavailable as store_down:
             raise AuditPersistenceFailed(
@@ -649,6 +738,26 @@ class ToolTask(Task):  # type: ignore[misc]
             allowed=allowed, journalled=journalled and attempt.effect.is_write,
         )
         raise rejection from exc
+
+
+def _requested_retry_event(attempt: Attempt, number: int, requested: Retry) -> dict[str, str]:
+    """The audit event of a retry the tool asked for (``self.retry()``)."""
+    cause = requested.exc if isinstance(requested.exc, BaseException) else None
+    event = attempt.context.event("outcome", "retrying", attempt=number, exception=cause,
+                                  requested="1")
+    if isinstance(requested.when, (int, float)):
+        event["countdown"] = f"{requested.when:g}"
+    return event
+
+
+def _overridden(cls: type) -> set[str]:
+    """Names a tool class defines below ``ToolTask``."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is ToolTask:
+            break
+        names.update(klass.__dict__)
+    return names
 
 
 def _refuse_relabel(name: str, options: Mapping[str, Any]) -> None:

@@ -227,6 +227,30 @@ class WorkerProcess:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+def start_celery_worker(
+    module: str, log: Path, *, pool: str = "prefork", concurrency: int = 1,
+    name: str = "w", wait: bool = True, **env: str,
+) -> WorkerProcess:
+    """``celery -A <module> worker`` as a subprocess in its own session, consuming
+    the queue ``tools``; with ``wait``, returned once it is ready."""
+    # C_FORCE_ROOT: apps that accept pickle are refused as root otherwise (CI is root).
+    environment = dict(os.environ, PYTHONPATH=str(TESTS.parent), C_FORCE_ROOT="1", **env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", module, "worker",
+         "--pool", pool, "--concurrency", str(concurrency), "--loglevel", "INFO",
+         "--without-gossip", "--without-mingle", "--without-heartbeat",
+         "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h", "-Q", "tools"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=environment,
+        start_new_session=True, cwd=str(TESTS.parent),
+    )
+    worker = WorkerProcess(process, log, environment)
+    if wait:
+        wait_for(lambda: "ready" in worker.output() or process.poll() is not None,
+                 timeout=30, what="worker to be ready")
+        assert process.poll() is None, worker.output()
+    return worker
+
+
 @pytest.fixture
 def spawn_worker(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     """Start ``celery -A tests.apps.tool_app worker`` subprocesses; stopped at the end."""
@@ -235,27 +259,14 @@ def spawn_worker(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerPr
     def spawn(concurrency: int = 1, visibility_timeout: float = 60.0,
               store_url: str | None = None, broker_url: str | None = None,
               **env: str) -> WorkerProcess:
-        log = tmp_path / f"worker-{len(started)}.log"
-        environment = dict(os.environ)
         # Side-effect counters stay on the main Redis whichever broker is used.
-        environment.update(
+        worker = start_celery_worker(
+            "tests.apps.tool_app", tmp_path / f"worker-{len(started)}.log",
+            concurrency=concurrency, name=f"w{len(started)}",
             TE_PREFIX=prefix, TE_BROKER=broker_url or REDIS_URL, TE_COUNTERS=REDIS_URL,
-            TE_VT=str(visibility_timeout), TE_STORE=store_url or "",
-            PYTHONPATH=str(TESTS.parent), **env,
+            TE_VT=str(visibility_timeout), TE_STORE=store_url or "", **env,
         )
-        process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.apps.tool_app", "worker",
-             "--pool", "prefork", "--concurrency", str(concurrency), "--loglevel", "INFO",
-             "--without-gossip", "--without-mingle", "--without-heartbeat",
-             "-n", f"w{len(started)}-{uuid.uuid4().hex[:6]}@%h", "-Q", "tools"],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=environment,
-            start_new_session=True, cwd=str(TESTS.parent),
-        )
-        worker = WorkerProcess(process, log, environment)
         started.append(worker)
-        wait_for(lambda: "ready" in worker.output() or process.poll() is not None,
-                 timeout=30, what="worker to be ready")
-        assert process.poll() is None, worker.output()
         return worker
 
     yield spawn

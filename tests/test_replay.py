@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
-import os
 import pickle
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,52 +25,22 @@ from celery_tooleffect.dead_letters import DeadLetter
 from celery_tooleffect.envelope import REPLAY_HEADER
 from celery_tooleffect.operations import DeadLetterOperations, Outcome
 from tests.apps.replay_app import build
-from tests.conftest import REDIS_URL, TESTS, wait_for
+from tests.conftest import REDIS_URL, WorkerProcess, start_celery_worker, wait_for
 
 #: Headers a replay changes (everything else is kept as delivered).
 CHANGED = {"retries", "eta", "expires", REPLAY_HEADER}
 
 
-class Worker:
-    """A ``celery -A tests.apps.replay_app worker`` subprocess (prefork)."""
-
-    def __init__(self, prefix: str, log: Path, **env: str) -> None:
-        # The app accepts pickle (to test that serializer), which Celery refuses
-        # to run as root unless told: CI runs as root.
-        environment = dict(os.environ, TE_PREFIX=prefix, PYTHONPATH=str(TESTS.parent),
-                           C_FORCE_ROOT="1", **env)
-        self.log = log
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.apps.replay_app", "worker",
-             "--pool", "prefork", "--concurrency", "3", "--loglevel", "INFO",
-             "--without-gossip", "--without-mingle", "--without-heartbeat",
-             "-n", f"replay-{uuid.uuid4().hex[:6]}@%h", "-Q", "tools"],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=environment,
-            start_new_session=True, cwd=str(TESTS.parent),
-        )
-        wait_for(lambda: "ready" in self.output() or self.process.poll() is not None,
-                 timeout=30, what="worker to be ready")
-        assert self.process.poll() is None, self.output()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
 @pytest.fixture
-def start(prefix: str, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    started: list[Worker] = []
+def start(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """``celery -A tests.apps.replay_app worker`` subprocesses (prefork, 3 children)."""
+    started: list[WorkerProcess] = []
 
-    def spawn(**env: str) -> Worker:
-        worker = Worker(prefix, tmp_path / f"worker-{len(started)}.log", **env)
+    def spawn(**env: str) -> WorkerProcess:
+        worker = start_celery_worker(
+            "tests.apps.replay_app", tmp_path / f"worker-{len(started)}.log",
+            concurrency=3, name="replay", TE_PREFIX=prefix, **env,
+        )
         started.append(worker)
         return worker
 
@@ -133,7 +100,7 @@ def assert_same_message(first: DeadLetter, second: DeadLetter) -> None:
 
 
 def test_replayed_chain_link_lets_the_rest_of_the_chain_run_once(
-    app: Celery, start: Callable[..., Worker], client: redis.Redis, prefix: str,
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
 ) -> None:
     client.set(f"{prefix}fail:create_ticket", 1)
     start()
@@ -160,7 +127,7 @@ def test_replayed_chain_link_lets_the_rest_of_the_chain_run_once(
 
 
 def test_replay_runs_link_callbacks_and_the_dead_letter_ran_link_error(
-    app: Celery, start: Callable[..., Worker], client: redis.Redis, prefix: str,
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
 ) -> None:
     client.set(f"{prefix}fail:create_ticket", 1)
     start()
@@ -180,7 +147,7 @@ def test_replay_runs_link_callbacks_and_the_dead_letter_ran_link_error(
 
 
 def test_chord_member_replayed_while_its_chord_waits_completes_the_chord_once(
-    app: Celery, start: Callable[..., Worker], client: redis.Redis, prefix: str,
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
 ) -> None:
     client.set(f"{prefix}fail:member:b", 1)
     client.set(f"{prefix}hold:c", 1)  # member c holds the chord open
@@ -205,7 +172,7 @@ def test_chord_member_replayed_while_its_chord_waits_completes_the_chord_once(
 
 
 def test_chord_member_replay_is_refused_once_its_chord_has_ended(
-    app: Celery, start: Callable[..., Worker], client: redis.Redis, prefix: str,
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
 ) -> None:
     client.set(f"{prefix}fail:member:b", 1)
     start()
@@ -250,7 +217,7 @@ TYPED_ARGS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     ids=["json", "msgpack", "yaml", "pickle", "json-gzip"],
 )
 def test_forced_replay_hands_the_body_equal_values_of_the_same_types(
-    app: Celery, start: Callable[..., Worker], client: redis.Redis, prefix: str,
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
     serializer: str, compression: str | None,
 ) -> None:
     args, kwargs = TYPED_ARGS[serializer]
@@ -294,7 +261,7 @@ def test_forced_replay_hands_the_body_equal_values_of_the_same_types(
 
 
 def test_what_operators_see_is_decoded_and_marked_never_written_back(
-    app: Celery, start: Callable[..., Worker], client: redis.Redis, prefix: str,
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
 ) -> None:
     args, kwargs = TYPED_ARGS["json"]
     client.set(f"{prefix}fail:typed", 1)
@@ -321,7 +288,7 @@ def test_what_operators_see_is_decoded_and_marked_never_written_back(
 
 
 def test_unknown_task_keeps_its_bytes_and_replays_unchanged_once_the_task_exists(
-    app: Celery, start: Callable[..., Worker], client: redis.Redis, prefix: str,
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
 ) -> None:
     without = start(TE_WITHOUT_LATE="1")
     args = (decimal.Decimal("9.99"), b"\x01\x02")
@@ -340,7 +307,7 @@ def test_unknown_task_keeps_its_bytes_and_replays_unchanged_once_the_task_exists
 
 
 def test_body_of_a_content_type_not_accepted_replays_unchanged_once_accepted(
-    app: Celery, start: Callable[..., Worker], client: redis.Redis, prefix: str,
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
 ) -> None:
     json_only = start(TE_ACCEPT="json")
     args = (datetime.date(2026, 12, 2), "x")
@@ -375,7 +342,7 @@ VERSION_1 = (
 
 
 def test_letter_of_the_previous_release_is_shown_and_replayed(
-    app: Celery, start: Callable[..., Worker], client: redis.Redis, prefix: str,
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
 ) -> None:
     task_id = uuid.uuid4().hex
     old = DeadLetter.from_json(VERSION_1 % {"id": task_id})

@@ -15,7 +15,9 @@
 --   dead_lettering  a dead letter was begun and not finished (detail: reason)
 --   owned           a live owner runs it (detail: its lease end)
 --   interrupted     a non-idempotent write started and never finished
---   exhausted       the attempt budget is spent
+--   not_run         it ended without running (revoked or expired): do not run
+--   exhausted       the attempt budget is spent (then also: how many earlier
+--                   attempts failed, were interrupted, asked for a retry)
 
 local journal, stream, seq = KEYS[1], KEYS[2], KEYS[3]
 local token, now, lease_end = ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -40,6 +42,11 @@ if state == 'dead_lettered' then
     {phase = 'duplicate_ignored', status = 'dead_lettered', attempt = attempt})
   return {'dead_lettered', attempt, ''}
 end
+if state == 'not_run' then
+  append_event(stream, seq, maxlen, ttl, fields,
+    {phase = 'duplicate_ignored', status = 'not_run', attempt = attempt})
+  return {'not_run', attempt, ''}
+end
 if state == 'dead_lettering' then
   return {'dead_lettering', attempt, pending_reason or ''}
 end
@@ -52,6 +59,7 @@ if state == 'running' then
   -- The owner's lease lapsed without an outcome: its worker is gone.
   state = 'interrupted'
   redis.call('HSET', journal, 'state', state, 'updated_at', ARGV[2])
+  redis.call('HINCRBY', journal, 'ended_interrupted', 1)
   redis.call('EXPIRE', journal, ttl)
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'interrupted', status = 'lease_lapsed', attempt = attempt})
@@ -67,7 +75,9 @@ elseif state == 'interrupted' then
 end
 
 if attempt >= allowed then
-  return {'exhausted', attempt, detail}
+  local ended = redis.call('HMGET', journal, 'ended_failed', 'ended_interrupted',
+    'ended_requested')
+  return {'exhausted', attempt, detail, ended[1] or '0', ended[2] or '0', ended[3] or '0'}
 end
 
 attempt = attempt + 1

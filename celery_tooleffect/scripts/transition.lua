@@ -9,8 +9,10 @@
 -- ARGV[3] new state          ARGV[4] ttl seconds
 -- ARGV[5] stream MAXLEN      ARGV[6] now (unix seconds)
 -- ARGV[7] '1' to store the event as a late_outcome when refused, '0' not to
--- ARGV[8] N, the number of extra journal field/value pairs
--- ARGV[9 .. 8+2N] journal field/value pairs, then event field/value pairs
+-- ARGV[8] a journal counter to increment when moved ('' = none): how many
+--         attempts ended this way ('ended_failed', 'ended_requested', ...)
+-- ARGV[9] N, the number of extra journal field/value pairs
+-- ARGV[10 .. 9+2N] journal field/value pairs, then event field/value pairs
 --
 -- Returns {'ok', previous state}, or {'late' | 'refused', current state, owner}.
 
@@ -18,9 +20,10 @@ local journal, stream, seq = KEYS[1], KEYS[2], KEYS[3]
 local token, allowed, new_state = ARGV[1], ARGV[2], ARGV[3]
 local ttl, maxlen, now = ARGV[4], ARGV[5], ARGV[6]
 local record_late = ARGV[7] == '1'
-local n = tonumber(ARGV[8])
-local journal_fields = slice(ARGV, 9, 8 + 2 * n)
-local event_fields = slice(ARGV, 9 + 2 * n, #ARGV)
+local counter = ARGV[8]
+local n = tonumber(ARGV[9])
+local journal_fields = slice(ARGV, 10, 9 + 2 * n)
+local event_fields = slice(ARGV, 10 + 2 * n, #ARGV)
 
 local current = redis.call('HMGET', journal, 'state', 'owner')
 local state, owner = current[1] or 'absent', current[2] or ''
@@ -34,6 +37,9 @@ if state_allowed and (token == '' or owner == token or state == 'absent') then
   redis.call('HSET', journal, 'state', new_state, 'updated_at', now)
   if #journal_fields > 0 then
     redis.call('HSET', journal, unpack(journal_fields))
+  end
+  if counter ~= '' then
+    redis.call('HINCRBY', journal, counter, 1)
   end
   redis.call('EXPIRE', journal, ttl)
   append_event(stream, seq, maxlen, ttl, event_fields, {})
