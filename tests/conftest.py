@@ -229,12 +229,12 @@ class WorkerProcess:
 
 def start_celery_worker(
     module: str, log: Path, *, pool: str = "prefork", concurrency: int = 1,
-    name: str = "w", wait: bool = True, **env: str,
+    name: str = "w", wait: bool = True, env: dict[str, str] | None = None,
 ) -> WorkerProcess:
     """``celery -A <module> worker`` as a subprocess in its own session, consuming
     the queue ``tools``; with ``wait``, returned once it is ready."""
     # C_FORCE_ROOT: apps that accept pickle are refused as root otherwise (CI is root).
-    environment = dict(os.environ, PYTHONPATH=str(TESTS.parent), C_FORCE_ROOT="1", **env)
+    environment = dict(os.environ, PYTHONPATH=str(TESTS.parent), C_FORCE_ROOT="1", **(env or {}))
     process = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", module, "worker",
          "--pool", pool, "--concurrency", str(concurrency), "--loglevel", "INFO",
@@ -263,8 +263,9 @@ def spawn_worker(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerPr
         worker = start_celery_worker(
             "tests.apps.tool_app", tmp_path / f"worker-{len(started)}.log",
             concurrency=concurrency, name=f"w{len(started)}",
-            TE_PREFIX=prefix, TE_BROKER=broker_url or REDIS_URL, TE_COUNTERS=REDIS_URL,
-            TE_VT=str(visibility_timeout), TE_STORE=store_url or "", **env,
+            env=dict(TE_PREFIX=prefix, TE_BROKER=broker_url or REDIS_URL,
+                     TE_COUNTERS=REDIS_URL, TE_VT=str(visibility_timeout),
+                     TE_STORE=store_url or "", **env),
         )
         started.append(worker)
         return worker

@@ -41,7 +41,7 @@ def start(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]
         worker = start_celery_worker(
             "tests.apps.paths_app", tmp_path / f"worker-{len(started)}.log",
             pool=pool, concurrency=2 if pool == "prefork" else 1, name="paths", wait=wait,
-            TE_PREFIX=prefix, **env,
+            env=dict(TE_PREFIX=prefix, **env),
         )
         started.append(worker)
         return worker

@@ -39,7 +39,7 @@ def start(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]
     def spawn(**env: str) -> WorkerProcess:
         worker = start_celery_worker(
             "tests.apps.replay_app", tmp_path / f"worker-{len(started)}.log",
-            concurrency=3, name="replay", TE_PREFIX=prefix, **env,
+            concurrency=3, name="replay", env=dict(TE_PREFIX=prefix, **env),
         )
         started.append(worker)
         return worker
