@@ -1,0 +1,61 @@
+"""The compatibility matrix: the core scenarios against the lowest and the newest
+celery, kombu and redis-py that ``pyproject.toml`` admits, with and without hiredis.
+
+    nox -s compat                        # all four
+    nox -s "compat(lowest-pure)"         # one: lowest|newest - hiredis|pure
+
+Each session installs the package with its test dependencies into its own venv,
+pins the versions, removes hiredis for the ``pure`` sessions, prints what it
+runs against, and runs the core scenarios on the Redis the tests use
+(``TOOLEFFECT_TEST_REDIS_URL``, default 127.0.0.1:6379). ``.ci/run`` runs
+``compat(lowest-pure)``; the closing note of each release lists all four.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+
+#: The floor of every range in pyproject.toml: change both together.
+LOWEST = ["celery[redis]==5.5.0", "kombu==5.5.2", "redis==5.3.0"]
+#: The newest releases the ranges admit (pip picks them with --upgrade).
+NEWEST = ["celery[redis]>=5.5,<6", "kombu>=5.5.2,<6", "redis>=5.3"]
+
+#: What every Celery option, fault and path of the guarantees runs through.
+CORE = [
+    "tests/test_outcomes.py",
+    "tests/test_effects.py",
+    "tests/test_failures.py",
+    "tests/test_interruptions.py",
+    "tests/test_leases.py",
+    "tests/test_bad_messages.py",
+    "tests/test_celery_paths.py",
+    "tests/test_replay.py",
+    "tests/test_cli.py",
+]
+
+
+@nox.session
+@nox.parametrize(
+    ("versions", "parser"),
+    [(versions, parser) for versions in ("lowest", "newest") for parser in ("hiredis", "pure")],
+    ids=["lowest-hiredis", "lowest-pure", "newest-hiredis", "newest-pure"],
+)
+def compat(session: nox.Session, versions: str, parser: str) -> None:
+    """The core scenarios against one end of the supported range."""
+    pins = LOWEST if versions == "lowest" else NEWEST
+    session.install("-e", ".[dev]")
+    session.install("--upgrade", *pins)
+    if parser == "pure":
+        session.run("python", "-m", "pip", "uninstall", "--yes", "hiredis")
+    session.run(
+        "python", "-c",
+        "import celery, kombu, redis, sys; "
+        "from redis.utils import HIREDIS_AVAILABLE; "
+        "print(f'python {sys.version.split()[0]} celery {celery.__version__} "
+        "kombu {kombu.__version__} redis-py {redis.__version__} "
+        "hiredis {HIREDIS_AVAILABLE}')",
+    )
+    session.run("python", "-m", "pytest", "-q", *CORE, *session.posargs)
