@@ -18,10 +18,14 @@ import nox
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 
-#: The floor of every range in pyproject.toml: change both together.
-LOWEST = ["celery[redis]==5.5.0", "kombu==5.5.2", "redis==5.3.0"]
+#: The floor of every range in pyproject.toml: change both together. Celery and
+#: kombu start at 5.7: on celery 5.5.0/kombu 5.5.2 the core scenarios fail (a
+#: message rejected for good leaves the task STARTED instead of FAILURE, since
+#: celery#4222 is fixed only in 5.7; retries of writes were not acknowledged
+#: in time), and the package relies on 5.7's Request behaviour.
+LOWEST = ["celery[redis]==5.7.0", "kombu==5.7.0", "redis==5.3.0"]
 #: The newest releases the ranges admit (pip picks them with --upgrade).
-NEWEST = ["celery[redis]>=5.5,<6", "kombu>=5.5.2,<6", "redis>=5.3"]
+NEWEST = ["celery[redis]>=5.7,<6", "kombu>=5.7,<6", "redis>=5.3"]
 
 #: What every Celery option, fault and path of the guarantees runs through.
 CORE = [
