@@ -17,6 +17,9 @@ error; one that only weakens it is warned about loudly:
   (``tooleffect_rabbitmq_consumer_timeout``) would have the channel closed
   under a running write;
 - on transports without leases, extension is a no-op, said once;
+- a tool's ``default_retry_delay`` (the wait of a ``self.retry()`` without a
+  countdown: the tool's own choice) not below the visibility timeout is
+  warned about;
 - a prefetch multiplier above 1 is reported (1 is recommended for tool queues:
   prefetched messages wait with their visibility timeout already running);
 - a store (or a broker holding dead letters) that persists nothing is warned
@@ -131,6 +134,16 @@ def run_checks(app: Any) -> None:
             "queues (prefetched messages wait with their visibility timeout running)",
             prefetch,
         )
+    if settings.broker_is_redis:
+        for name, task in sorted(app.tasks.items()):
+            delay = getattr(task, "default_retry_delay", None)
+            if hasattr(task, "retry_policy") and delay and delay >= settings.visibility_timeout:
+                logger.warning(
+                    "celery-tooleffect: %s: a self.retry() without a countdown waits its "
+                    "default_retry_delay (%ss), not below the visibility_timeout (%ss): the "
+                    "waiting retry would be restored and delivered twice (a write is then "
+                    "deferred, a read runs twice)", name, delay, settings.visibility_timeout,
+                )
     for warning in persistence_warnings(settings):
         logger.warning("celery-tooleffect: %s", warning)
 
