@@ -7,8 +7,8 @@ celery, kombu and redis-py that ``pyproject.toml`` admits, with and without hire
 Each session installs the package with its test dependencies into its own venv,
 pins the versions, removes hiredis for the ``pure`` sessions, prints what it
 runs against, and runs the core scenarios on the Redis the tests use
-(``TOOLEFFECT_TEST_REDIS_URL``, default 127.0.0.1:6379). Run by hand before
-a release; the closing note lists the four results.
+(``TOOLEFFECT_TEST_REDIS_URL``, default 127.0.0.1:6379). ``.ci/run`` runs
+``compat(lowest-pure)``; all four are run by hand before a release.
 """
 
 from __future__ import annotations
