@@ -135,19 +135,26 @@ class LeasePlan:
     broker_lease: BrokerLease | None = None
 
 
-def heartbeat_interval(settings: Settings, deadline: float) -> float:
-    """Seconds between heartbeats: a few per visibility timeout and per deadline."""
+def heartbeat_interval(settings: Settings, deadline: float | None) -> float:
+    """Seconds between heartbeats: six per deadline and per the time the broker
+    lets a message stay unacknowledged (Redis: the visibility timeout; RabbitMQ:
+    ``consumer_timeout``), between 0.5 and 30 s."""
     configured = settings.heartbeat_interval
     if configured:
         return float(configured)
-    return min(max(min(settings.visibility_timeout, deadline) / 6.0, 0.5), 30.0)
+    held = settings.visibility_timeout if settings.broker_is_redis else (
+        settings.rabbitmq_consumer_timeout)
+    bound = held if deadline is None else min(held, deadline)
+    return min(max(bound / 6.0, 0.5), 30.0)
 
 
 class Heartbeat:
     """Keeps a running write's leases alive until it stops (a context manager).
 
     Every ``interval`` it renews the journal lease to ``now + step`` and the
-    broker lease to the same time, both capped at ``deadline_end``. When a
+    broker lease to the same time, both capped at ``deadline_end`` (none: a
+    write without a deadline on a broker without leases, which beats until
+    its body returns). When a
     renewal fails it calls ``on_failure(reason)`` once and stops: ``journal_lost``
     (another attempt owns the entry), ``broker_lost`` (the message was
     restored), or ``store_unavailable``.
@@ -165,7 +172,7 @@ class Heartbeat:
         token: str,
         leases: Leases,
         broker_lease: BrokerLease | None,
-        deadline_end: float,
+        deadline_end: float | None,
         interval: float,
         on_failure: Callable[[str], None],
     ) -> None:
@@ -194,14 +201,16 @@ class Heartbeat:
 
     def beat(self) -> bool:
         """Renew once (called by the beats thread); whether to beat again."""
-        lease_end = min(time.time() + self.step, self.deadline_end)
+        lease_end = time.time() + self.step
+        if self.deadline_end is not None:
+            lease_end = min(lease_end, self.deadline_end)
         failure = self._renew(lease_end)
         if failure is not None:
             if not self.stopped:
                 self.on_failure(failure)
             return False
         # At the deadline nothing more may be extended.
-        return lease_end < self.deadline_end
+        return self.deadline_end is None or lease_end < self.deadline_end
 
     def _renew(self, lease_end: float) -> str | None:
         try:

@@ -16,7 +16,8 @@ error; one that only weakens it is warned about loudly:
 - on RabbitMQ, a deadline longer than the broker's ``consumer_timeout``
   (``tooleffect_rabbitmq_consumer_timeout``) would have the channel closed
   under a running write;
-- on transports without leases, extension is a no-op, said once;
+- on a broker without a visibility timeout (RabbitMQ) there is no broker
+  lease to extend; every write heartbeats its journal lease instead (said once);
 - a tool's ``default_retry_delay`` (the wait of a ``self.retry()`` without a
   countdown: the tool's own choice) not below the visibility timeout is
   warned about;
@@ -35,6 +36,7 @@ from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
 
 from .connections import redis_client
+from .leases import heartbeat_interval
 from .retries import RetryPolicy
 from .settings import Settings, settings_for
 
@@ -123,9 +125,12 @@ def run_checks(app: Any) -> None:
     if errors:
         raise ImproperlyConfigured("celery-tooleffect: " + "; ".join(errors))
     if not settings.broker_is_redis:
+        interval = heartbeat_interval(settings, None)
         logger.warning(
-            "celery-tooleffect: the broker transport has no leases to extend; "
-            "lease extension is a no-op on this worker"
+            "celery-tooleffect: the broker has no visibility timeout (RabbitMQ gives a "
+            "message back when its channel closes): every write heartbeats a journal lease "
+            "of %gs (3 x tooleffect_heartbeat_interval); there is no broker lease to extend",
+            3 * interval,
         )
     prefetch = app.conf.worker_prefetch_multiplier
     if prefetch != 1:

@@ -441,17 +441,25 @@ class ToolTask(Task):  # type: ignore[misc]
     def _lease_plan(self, attempt: Attempt, request: Context) -> LeasePlan:
         """Secure the broker lease for the deadline, before anything is recorded.
 
-        Without an ``operation_deadline`` the journal's lease is the visibility
-        timeout and nothing is extended: the message comes back after it, as
-        with plain Celery.
+        On Redis, a write without an ``operation_deadline`` has the visibility
+        timeout as its journal lease and nothing is extended: the message comes
+        back after it, as with plain Celery. A broker without a visibility
+        timeout (RabbitMQ) gives a message back as soon as its holder's channel
+        closes, so there every write heartbeats a short journal lease (three
+        intervals), with or without a deadline: a redelivery after its owner
+        died is settled within one journal lease.
         """
         runtime = self.runtime
+        settings = runtime.settings
         now = time.time()
         deadline = self.operation_deadline
         if not deadline:
-            return LeasePlan(journal_lease_end=now + runtime.settings.visibility_timeout)
+            if settings.broker_is_redis:
+                return LeasePlan(journal_lease_end=now + settings.visibility_timeout)
+            interval = heartbeat_interval(settings, None)
+            return LeasePlan(journal_lease_end=now + 3 * interval, interval=interval)
         deadline_end = now + float(deadline)
-        interval = heartbeat_interval(runtime.settings, float(deadline))
+        interval = heartbeat_interval(settings, float(deadline))
         plan = LeasePlan(
             journal_lease_end=min(now + 3 * interval, deadline_end),
             deadline_end=deadline_end,
@@ -480,8 +488,8 @@ class ToolTask(Task):  # type: ignore[misc]
     def _heartbeat(
         self, attempt: Attempt, plan: LeasePlan
     ) -> contextlib.AbstractContextManager[Any]:
-        """The heartbeat of a write with a deadline; nothing for the others."""
-        if plan.deadline_end is None or plan.interval is None:
+        """The heartbeat of a write whose plan has one; nothing for the others."""
+        if plan.interval is None:
             return contextlib.nullcontext()
         runtime = self.runtime
 
@@ -667,6 +675,11 @@ class ToolTask(Task):  # type: ignore[misc]
             # A countdown longer than the visibility timeout would be restored
             # while it waits; come back sooner and look again.
             wait = min(wait, 0.8 * settings.visibility_timeout)
+        else:
+            # RabbitMQ closes the channel of a consumer that holds a message
+            # unacknowledged past consumer_timeout (the waiting copy is held
+            # so until its countdown ends): come back well before.
+            wait = min(wait, 0.25 * settings.rabbitmq_consumer_timeout)
         if attempt.interactive:
             raise AttemptInProgress(
                 f"{self.name}[{attempt.task_id}] is running elsewhere for {wait:.0f}s more"

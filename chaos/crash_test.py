@@ -3,8 +3,10 @@
 Two ``celery worker`` processes (prefork) consume a mix of READ_ONLY,
 IDEMPOTENT_WRITE and NON_IDEMPOTENT_WRITE tool calls whose bodies take random
 time and count their executions in Redis, on a Redis broker with a short
-visibility timeout. Meanwhile whole workers and single pool children are
-killed with SIGKILL at random moments and workers are restarted. At the end:
+visibility timeout, or on RabbitMQ (``--broker amqp://...``: give it a virtual
+host of its own) with a short journal heartbeat (0.5 s). Meanwhile whole
+workers and single pool children are killed with SIGKILL at random moments and
+workers are restarted. At the end:
 
 - every submitted task is in exactly one final place (succeeded, or a dead letter);
 - no NON_IDEMPOTENT_WRITE body started twice;
@@ -19,6 +21,7 @@ It prints one summary line. Short form (run by the test suite)::
 Long form, by hand::
 
     python -m chaos.crash_test --kills 200 --tasks 600
+    python -m chaos.crash_test --kills 200 --tasks 600 --broker amqp://guest:guest@127.0.0.1:5672/crash
 """
 
 from __future__ import annotations
@@ -92,10 +95,18 @@ class Summary:
         )
 
 
-def spawn(prefix: str, logdir: Path, index: int, visibility_timeout: float) -> Worker:
+#: The journal heartbeat on RabbitMQ (no visibility timeout there): a dead
+#: owner's lease lapses within three of these.
+RABBITMQ_HEARTBEAT = 0.5
+
+
+def spawn(prefix: str, logdir: Path, index: int, visibility_timeout: float,
+          broker_url: str = REDIS_URL) -> Worker:
     log = logdir / f"worker-{index}.log"
-    env = dict(os.environ, TE_PREFIX=prefix, TE_BROKER=REDIS_URL, TE_VT=str(visibility_timeout),
-               TE_MAX_RETRIES="5", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TE_PREFIX=prefix, TE_BROKER=broker_url, TE_COUNTERS=REDIS_URL,
+               TE_VT=str(visibility_timeout), TE_MAX_RETRIES="5", PYTHONPATH=str(ROOT))
+    if not broker_url.startswith("redis"):
+        env["TE_HEARTBEAT"] = str(RABBITMQ_HEARTBEAT)
     process = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "tests.apps.tool_app", "worker", "--pool",
          "prefork", "--concurrency", "2", "--loglevel", "INFO", "--without-gossip",
@@ -111,16 +122,19 @@ def spawn(prefix: str, logdir: Path, index: int, visibility_timeout: float) -> W
 
 
 def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
-        settle_timeout: float = 240.0) -> Summary:
+        settle_timeout: float = 240.0, broker_url: str = REDIS_URL) -> Summary:
     rng = random.Random(seed)
     prefix = f"crash:{uuid.uuid4().hex[:10]}:"
     client = redis.Redis.from_url(REDIS_URL)
     app = Celery("crash-producer", set_as_current=False)
-    app.conf.update(app_config(prefix, broker_transport_options={
+    app.conf.update(app_config(prefix, broker_url=broker_url, broker_transport_options={
         "global_keyprefix": prefix, "visibility_timeout": visibility_timeout}))
+    if not broker_url.startswith("redis"):
+        app.conf.broker_transport_options = {}
+        app.conf.tooleffect_heartbeat_interval = RABBITMQ_HEARTBEAT
     logdir = Path(tempfile.mkdtemp(prefix="tooleffect-crash-"))
     summary = Summary(tasks=tasks)
-    workers = [spawn(prefix, logdir, i, visibility_timeout) for i in range(2)]
+    workers = [spawn(prefix, logdir, i, visibility_timeout, broker_url) for i in range(2)]
     spawned = 2
     submitted: dict[str, tuple[str, str]] = {}  # task id -> (tool, key)
     try:
@@ -142,7 +156,7 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
                 summary.child_kills += 1
             else:
                 worker.kill()
-                workers[index] = spawn(prefix, logdir, spawned, visibility_timeout)
+                workers[index] = spawn(prefix, logdir, spawned, visibility_timeout, broker_url)
                 spawned += 1
             summary.kills += 1
 
@@ -208,9 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=60)
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--visibility-timeout", type=float, default=3.0)
+    parser.add_argument("--broker", default=REDIS_URL,
+                        help="broker URL: redis://... (default) or amqp://... (RabbitMQ)")
     args = parser.parse_args(argv)
-    summary = run(args.kills, args.tasks, args.seed, args.visibility_timeout)
-    print(summary.line() + f" seed={args.seed}")
+    summary = run(args.kills, args.tasks, args.seed, args.visibility_timeout,
+                  broker_url=args.broker)
+    print(summary.line() + f" broker={args.broker.split('@')[-1]} seed={args.seed}")
     for problem in summary.problems[:20]:
         print("  " + problem)
     return 1 if summary.problems else 0

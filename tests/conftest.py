@@ -129,6 +129,44 @@ def second_redis() -> Iterator[RedisServer]:
         yield server
 
 
+RABBITMQ_URL = os.environ.get("TOOLEFFECT_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672")
+
+
+def rabbitmq_queues(queue_type: str = "classic", delivery_limit: int = 0) -> dict[str, Any]:
+    """Celery settings that declare the queue ``tools`` on RabbitMQ: classic, or
+    quorum (``x-delivery-limit`` when given). Producer and workers must agree:
+    RabbitMQ refuses to declare a queue again with other arguments."""
+    if queue_type == "classic":
+        return {}
+    from kombu.entity import Exchange, Queue
+
+    arguments: dict[str, Any] = {"x-queue-type": queue_type}
+    if delivery_limit:
+        arguments["x-delivery-limit"] = delivery_limit
+    return {
+        "task_default_queue_type": queue_type,
+        "task_queues": [Queue(  # type: ignore[no-untyped-call]
+            "tools", Exchange("tools", type="direct"),  # type: ignore[no-untyped-call]
+            routing_key="tools", queue_arguments=arguments,
+        )],
+    }
+
+
+@pytest.fixture
+def rabbitmq_url() -> Iterator[str]:
+    """A RabbitMQ virtual host of this test's own (deleted afterwards), as a broker URL.
+
+    Made with ``rabbitmqctl`` on the machine's RabbitMQ, so that no queue,
+    message or consumer of another test is ever seen.
+    """
+    vhost = f"te-{uuid.uuid4().hex[:12]}"
+    subprocess.run(["rabbitmqctl", "-q", "add_vhost", vhost], check=True, timeout=60)
+    subprocess.run(["rabbitmqctl", "-q", "set_permissions", "-p", vhost, "guest",
+                    ".*", ".*", ".*"], check=True, timeout=60)
+    yield f"{RABBITMQ_URL}/{vhost}"
+    subprocess.run(["rabbitmqctl", "-q", "delete_vhost", vhost], check=False, timeout=60)
+
+
 @pytest.fixture
 def prefix() -> Iterator[str]:
     """A key prefix of this test's own; its keys are deleted afterwards."""

@@ -3,8 +3,11 @@
 Configured from the environment by ``spawn_worker`` in conftest: TE_PREFIX
 (every key of the test), TE_BROKER, TE_VT (visibility timeout), TE_STORE
 (optional separate audit store), TE_COUNTERS (the Redis of the side-effect
-counters, default the broker), TE_SOCKET_TIMEOUT. Each body counts its executions, records the
-pid of the process running it, and holds until released or its hold ends.
+counters and, on a RabbitMQ broker, of the results; default the broker),
+TE_SOCKET_TIMEOUT, TE_HEARTBEAT (``tooleffect_heartbeat_interval``),
+TE_QUEUE_TYPE and TE_DELIVERY_LIMIT (a RabbitMQ quorum queue). Each
+body counts its executions, records the pid of the process running it, and
+holds until released or its hold ends.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import ToolEffect, ToolTask
-from tests.conftest import app_config
+from tests.conftest import app_config, rabbitmq_queues
 
 PREFIX = os.environ["TE_PREFIX"]
 BROKER = os.environ["TE_BROKER"]
@@ -26,7 +29,9 @@ app.conf.update(
     app_config(
         PREFIX,
         broker_url=BROKER,
-        result_backend=BROKER,
+        # Results on Redis whichever broker is used (Celery has no AMQP backend).
+        result_backend=BROKER if BROKER.startswith("redis") else (
+            os.environ.get("TE_COUNTERS") or "redis://127.0.0.1:6379/0"),
         broker_transport_options={
             "global_keyprefix": PREFIX,
             "visibility_timeout": float(os.environ.get("TE_VT", "60")),
@@ -38,9 +43,12 @@ app.conf.update(
         tooleffect_redis_url=os.environ.get("TE_STORE") or None,
         tooleffect_max_retries=int(os.environ.get("TE_MAX_RETRIES", "3")),
         tooleffect_socket_timeout=float(os.environ.get("TE_SOCKET_TIMEOUT", "2.0")),
+        tooleffect_heartbeat_interval=float(os.environ.get("TE_HEARTBEAT") or 0) or None,
         worker_hijack_root_logger=True,
     )
 )
+app.conf.update(rabbitmq_queues(os.environ.get("TE_QUEUE_TYPE") or "classic",
+                                int(os.environ.get("TE_DELIVERY_LIMIT") or 0)))
 counters = redis.Redis.from_url(os.environ.get("TE_COUNTERS") or BROKER)
 
 
@@ -89,3 +97,13 @@ def write_limited(key: str, hold: float = 0.0) -> str:
 )
 def write_deadline(key: str, hold: float = 0.0) -> str:
     return hold_and_count(key, hold)
+
+
+@app.task(base=ToolTask, name="tools.slow_idempotent", effect=ToolEffect.IDEMPOTENT_WRITE)
+def slow_idempotent(key: str, hold: float = 0.0) -> str:
+    """Counts, then holds on every run (not only the first) until released."""
+    counters.incr(f"{PREFIX}count:{key}")
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline and not counters.exists(f"{PREFIX}release:{key}"):
+        time.sleep(0.02)
+    return key
