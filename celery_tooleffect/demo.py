@@ -91,13 +91,17 @@ class Tools:
 
 
 def world(app: Celery) -> tuple[redis.Redis, str]:
-    """Where the tools keep the side effects they make: the broker's Redis.
+    """Where the tools keep the side effects they make: the broker's Redis, or
+    the store's (``tooleffect_redis_url``) when the broker is not Redis.
 
     Keys go under the broker's ``global_keyprefix`` (if any) plus ``world:``.
     """
     options = app.conf.broker_transport_options or {}
     prefix = f"{options.get('global_keyprefix', '')}world:"
-    return redis.Redis.from_url(str(app.conf.broker_url), socket_timeout=5), prefix
+    url = str(app.conf.broker_url)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        url = str(app.conf.get("tooleffect_redis_url"))
+    return redis.Redis.from_url(url, socket_timeout=5), prefix
 
 
 def register_tools(app: Celery, *, with_forced_failure: bool = False) -> Tools:

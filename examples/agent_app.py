@@ -5,8 +5,10 @@
 
 The broker, result backend and audit store are all the Redis at ``$REDIS_URL``
 (default ``redis://127.0.0.1:6379/0``); ``docker compose up`` runs exactly
-this. The tools are those of ``python -m celery_tooleffect.demo``, except the
-one that breaks the audit store on purpose. Call them from a Python shell::
+this. With ``$BROKER_URL`` set (``amqp://...``: RabbitMQ) that is the broker,
+and the rest stays on Redis (``docker-compose.rabbitmq.yml``). The tools are
+those of ``python -m celery_tooleffect.demo``, except the one that breaks the
+audit store on purpose. Call them from a Python shell::
 
     >>> from examples.agent_app import send_invoice
     >>> send_invoice.delay("cust-42", 1999).get(timeout=10)
@@ -33,9 +35,12 @@ from celery_tooleffect import ToolEffect, ToolTask
 from celery_tooleffect.demo import register_tools, world
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+BROKER_URL = os.environ.get("BROKER_URL") or REDIS_URL
 
-app = Celery("agent_app", broker=REDIS_URL, backend=REDIS_URL)
+app = Celery("agent_app", broker=BROKER_URL, backend=REDIS_URL)
 app.conf.update(
+    # The journal, audit and (on RabbitMQ) the dead letters live here.
+    tooleffect_redis_url=REDIS_URL,
     broker_connection_retry_on_startup=True,
     task_default_queue="agent-tools",
     worker_prefetch_multiplier=1,

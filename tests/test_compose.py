@@ -35,6 +35,7 @@ except ImportError:  # Python 3.10: pytest brings tomli
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
+RABBITMQ_COMPOSE = ROOT / "docker-compose.rabbitmq.yml"
 
 
 @pytest.fixture(scope="module")
@@ -234,11 +235,58 @@ def test_the_producer_runs_a_real_module(services: dict[str, Any]) -> None:
     assert "worker" in services["producer"]["depends_on"]
 
 
-def test_the_stack_ends_with_dead_letters_for_the_page(
-    second_redis: RedisServer, tmp_path: Path
+# -- the RabbitMQ variant (docker-compose.rabbitmq.yml, layered on the file above) ----
+
+
+@pytest.fixture(scope="module")
+def rabbitmq_services() -> dict[str, Any]:
+    data = yaml.safe_load(RABBITMQ_COMPOSE.read_text())
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict)
+    return data["services"]  # type: ignore[no-any-return]
+
+
+def test_the_rabbitmq_variant_adds_rabbitmq_with_its_management_ui(
+    rabbitmq_services: dict[str, Any], services: dict[str, Any],
 ) -> None:
-    """The worker and the producer of the stack, on a Redis of the test's own."""
+    rabbitmq = rabbitmq_services["rabbitmq"]
+    assert str(rabbitmq["image"]).startswith("rabbitmq:") and "management" in rabbitmq["image"]
+    assert any(str(port).split(":")[-1] == "15672" for port in rabbitmq["ports"])
+    assert "rabbitmq-diagnostics" in rabbitmq["healthcheck"]["test"]
+    # Every Python service of the base file is moved to RabbitMQ, and waits for it.
+    layered = {name for name in rabbitmq_services if name != "rabbitmq"}
+    assert layered == {"worker", "flower", "producer"} and layered <= set(services)
+    for name in layered:
+        service = rabbitmq_services[name]
+        broker = str(service["environment"]["BROKER_URL"])
+        assert broker.startswith("amqp://")
+        assert broker.split("@", 1)[1].split(":")[0] == "rabbitmq"
+        assert service["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
+
+
+def test_the_rabbitmq_variant_loads_the_app_with_rabbitmq_as_broker(
+    rabbitmq_services: dict[str, Any], services: dict[str, Any],
+) -> None:
+    env = dict(os.environ)
+    for layer in (services["worker"], rabbitmq_services["worker"]):
+        env.update({key: str(value) for key, value in layer.get("environment", {}).items()})
+    report = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "examples.agent_app", "report"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert report.returncode == 0, report.stderr
+    assert "amqp://guest:********@rabbitmq:5672//" in report.stdout
+    assert f"results:{env['REDIS_URL']}" in report.stdout
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_the_stack_ends_with_dead_letters_for_the_page(
+    second_redis: RedisServer, tmp_path: Path, broker: str, request: pytest.FixtureRequest,
+) -> None:
+    """The worker and the producer of the stack, on a Redis of the test's own
+    (and, for the RabbitMQ variant, a RabbitMQ virtual host of its own)."""
     env = dict(os.environ, REDIS_URL=second_redis.url, PYTHONPATH=str(ROOT), COLUMNS="200")
+    if broker == "rabbitmq":
+        env["BROKER_URL"] = request.getfixturevalue("rabbitmq_url")
     log = tmp_path / "worker.log"
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "examples.agent_app", "worker", "--pool",
