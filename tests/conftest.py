@@ -152,6 +152,28 @@ def rabbitmq_queues(queue_type: str = "classic", delivery_limit: int = 0) -> dic
     }
 
 
+def on_broker(prefix: str, broker_url: str, **transport: Any) -> dict[str, Any]:
+    """Celery settings that put an app of the test's on ``broker_url``.
+
+    On Redis every key goes under ``prefix`` (``transport`` adds transport
+    options); on RabbitMQ the test has a virtual host of its own, the journal
+    heartbeat is short (0.5 s) and results, journal and audit stay on Redis.
+    """
+    if broker_url.startswith("redis"):
+        return {"broker_url": broker_url, "broker_transport_options": {
+            "global_keyprefix": prefix, "visibility_timeout": 60, **transport}}
+    return {"broker_url": broker_url, "broker_transport_options": {},
+            "tooleffect_redis_url": REDIS_URL, "tooleffect_heartbeat_interval": 0.5}
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_url(request: pytest.FixtureRequest) -> str:
+    """Each test that asks for it runs on both brokers (RabbitMQ: a vhost of its own)."""
+    if request.param == "redis":
+        return REDIS_URL
+    return str(request.getfixturevalue("rabbitmq_url"))
+
+
 @pytest.fixture
 def rabbitmq_url() -> Iterator[str]:
     """A RabbitMQ virtual host of this test's own (deleted afterwards), as a broker URL.

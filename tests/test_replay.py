@@ -32,14 +32,15 @@ CHANGED = {"retries", "eta", "expires", REPLAY_HEADER}
 
 
 @pytest.fixture
-def start(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+def start(prefix: str, tmp_path: Path, broker_url: str,
+          ) -> Iterator[Callable[..., WorkerProcess]]:
     """``celery -A tests.apps.replay_app worker`` subprocesses (prefork, 3 children)."""
     started: list[WorkerProcess] = []
 
     def spawn(**env: str) -> WorkerProcess:
         worker = start_celery_worker(
             "tests.apps.replay_app", tmp_path / f"worker-{len(started)}.log",
-            concurrency=3, name="replay", env=dict(TE_PREFIX=prefix, **env),
+            concurrency=3, name="replay", env=dict(TE_PREFIX=prefix, TE_BROKER=broker_url, **env),
         )
         started.append(worker)
         return worker
@@ -50,8 +51,8 @@ def start(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]
 
 
 @pytest.fixture
-def app(prefix: str) -> Celery:
-    return build(prefix)
+def app(prefix: str, broker_url: str) -> Celery:
+    return build(prefix, broker_url=broker_url)
 
 
 @pytest.fixture

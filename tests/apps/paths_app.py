@@ -2,7 +2,8 @@
 (tests/test_celery_paths.py).
 
 ``build(prefix)`` makes the app; the module's ``app`` is built from the
-environment when a worker imports it: TE_PREFIX (every key of the test), and
+environment when a worker imports it: TE_PREFIX (every key of the test),
+TE_BROKER (default the test Redis; an ``amqp://`` URL for RabbitMQ), and
 TE_REFUSED=1 to add a NON_IDEMPOTENT_WRITE declared with ``autoretry_for``
 (the worker must refuse to start).
 
@@ -20,18 +21,17 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import ToolEffect, ToolTask
-from tests.conftest import REDIS_URL, app_config
+from tests.conftest import REDIS_URL, app_config, on_broker
 
 EFFECTS = {effect.value: effect for effect in ToolEffect}
 
 
-def build(prefix: str, *, refused: bool = False) -> Celery:
+def build(prefix: str, *, broker_url: str = REDIS_URL, refused: bool = False) -> Celery:
     app = Celery("paths_app", set_as_current=False)
     app.conf.update(app_config(
         prefix,
-        broker_transport_options={"global_keyprefix": prefix, "visibility_timeout": 60,
-                                  "unacked_restore_interval": 1,
-                                  "unacked_restore_throttle": 1},
+        **on_broker(prefix, broker_url, unacked_restore_interval=1,
+                    unacked_restore_throttle=1),
         worker_hijack_root_logger=True,
     ))
     counters = redis.Redis.from_url(REDIS_URL)
@@ -156,4 +156,5 @@ def build(prefix: str, *, refused: bool = False) -> Celery:
 
 
 if os.environ.get("TE_PREFIX"):
-    app = build(os.environ["TE_PREFIX"], refused=os.environ.get("TE_REFUSED") == "1")
+    app = build(os.environ["TE_PREFIX"], broker_url=os.environ.get("TE_BROKER") or REDIS_URL,
+                refused=os.environ.get("TE_REFUSED") == "1")

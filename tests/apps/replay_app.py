@@ -2,6 +2,7 @@
 
 ``build(prefix)`` makes the app; the module's ``app`` is built from the
 environment when a worker imports it: TE_PREFIX (every key of the test),
+TE_BROKER (default the test Redis; an ``amqp://`` URL for RabbitMQ),
 TE_WITHOUT_LATE=1 (``replay.late`` is not registered: its messages are unknown
 tasks), TE_ACCEPT (comma-separated accept_content).
 
@@ -21,7 +22,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import ToolEffect, ToolTask
-from tests.conftest import REDIS_URL, app_config
+from tests.conftest import REDIS_URL, app_config, on_broker
 
 ALL_CONTENT = ["json", "msgpack", "yaml", "pickle"]
 
@@ -32,14 +33,14 @@ class ProviderRefused(Exception):
     failure_class = "client_error"
 
 
-def build(prefix: str, *, accept: list[str] | None = None, with_late: bool = True) -> Celery:
+def build(prefix: str, *, broker_url: str = REDIS_URL, accept: list[str] | None = None,
+          with_late: bool = True) -> Celery:
     app = Celery("replay_app", set_as_current=False)
     accepted = accept or ALL_CONTENT
     app.conf.update(app_config(
         prefix, accept_content=accepted, result_accept_content=["json"],
-        broker_transport_options={"global_keyprefix": prefix, "visibility_timeout": 60,
-                                  "unacked_restore_interval": 1,
-                                  "unacked_restore_throttle": 1},
+        **on_broker(prefix, broker_url, unacked_restore_interval=1,
+                    unacked_restore_throttle=1),
     ))
     counters = redis.Redis.from_url(REDIS_URL)
 
@@ -119,6 +120,7 @@ def build(prefix: str, *, accept: list[str] | None = None, with_late: bool = Tru
 if "TE_PREFIX" in os.environ:
     app = build(
         os.environ["TE_PREFIX"],
+        broker_url=os.environ.get("TE_BROKER") or REDIS_URL,
         accept=[name for name in os.environ.get("TE_ACCEPT", "").split(",") if name] or None,
         with_late=os.environ.get("TE_WITHOUT_LATE") != "1",
     )
