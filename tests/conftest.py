@@ -328,7 +328,10 @@ def spawn_worker(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerPr
     def spawn(concurrency: int = 1, visibility_timeout: float = 60.0,
               store_url: str | None = None, broker_url: str | None = None,
               **env: str) -> WorkerProcess:
-        # Side-effect counters stay on the main Redis whichever broker is used.
+        # Side-effect counters stay on the main Redis whichever broker is used;
+        # on RabbitMQ the journal heartbeat is short (as in ``on_broker``).
+        if broker_url and not broker_url.startswith("redis"):
+            env.setdefault("TE_HEARTBEAT", "0.5")
         worker = start_celery_worker(
             "tests.apps.tool_app", tmp_path / f"worker-{len(started)}.log",
             concurrency=concurrency, name=f"w{len(started)}",

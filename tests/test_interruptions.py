@@ -18,7 +18,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters
-from tests.conftest import Counter, WorkerProcess, wait_for
+from tests.conftest import Counter, WorkerProcess, on_broker, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,8 +27,9 @@ def started_pids(client: redis.Redis, prefix: str, key: str) -> list[int]:
     return [int(pid) for pid in client.lrange(f"{prefix}started:{key}", 0, -1)]
 
 
-def producer(make_app: Callable[..., Celery]) -> Celery:
-    return make_app()
+def producer(make_app: Callable[..., Celery], prefix: str, broker_url: str,
+             **transport: float) -> Celery:
+    return make_app(**on_broker(prefix, broker_url, **transport))
 
 
 def submit(app: Celery, name: str, key: str, hold: float) -> Any:
@@ -45,11 +46,11 @@ def submit(app: Celery, name: str, key: str, hold: float) -> Any:
 )
 def test_pool_child_killed_mid_body(
     make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
-    counter: Counter, main_redis: redis.Redis, prefix: str,
+    counter: Counter, main_redis: redis.Redis, prefix: str, broker_url: str,
     tool: str, runs: int, dead_letter_reason: str | None,
 ) -> None:
-    app = producer(make_app)
-    worker = spawn_worker(concurrency=1)
+    app = producer(make_app, prefix, broker_url)
+    worker = spawn_worker(concurrency=1, broker_url=broker_url)
     key = uuid.uuid4().hex[:8]
     result = submit(app, tool, key, hold=60)
     child = wait_for(lambda: started_pids(main_redis, prefix, key), what="the body to start")[0]
@@ -77,10 +78,11 @@ def test_pool_child_killed_mid_body(
 )
 def test_hard_time_limit(
     make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
-    counter: Counter, tool: str, runs: int, dead_letter_reason: str | None,
+    counter: Counter, prefix: str, broker_url: str,
+    tool: str, runs: int, dead_letter_reason: str | None,
 ) -> None:
-    app = producer(make_app)
-    worker = spawn_worker(concurrency=1)
+    app = producer(make_app, prefix, broker_url)
+    worker = spawn_worker(concurrency=1, broker_url=broker_url)
     key = uuid.uuid4().hex[:8]
     result = submit(app, tool, key, hold=30)  # time_limit=1 kills the first run
     if dead_letter_reason is None:
@@ -99,24 +101,25 @@ def test_hard_time_limit(
 )
 def test_whole_worker_killed_mid_body(
     make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
-    counter: Counter, main_redis: redis.Redis, prefix: str,
+    counter: Counter, main_redis: redis.Redis, prefix: str, broker_url: str,
     tool: str, runs: int, dead_letter_reason: str | None,
 ) -> None:
     visibility_timeout = 3.0
-    app = make_app(
-        broker_transport_options={"global_keyprefix": prefix,
-                                  "visibility_timeout": visibility_timeout},
-    )
-    first = spawn_worker(concurrency=1, visibility_timeout=visibility_timeout)
+    app = producer(make_app, prefix, broker_url, visibility_timeout=visibility_timeout)
+    first = spawn_worker(concurrency=1, visibility_timeout=visibility_timeout,
+                         broker_url=broker_url)
     key = uuid.uuid4().hex[:8]
     result = submit(app, tool, key, hold=60)
     wait_for(lambda: started_pids(main_redis, prefix, key), what="the body to start")
     first.kill()  # main process and pool child: nothing can settle the attempt
     assert counter.value(key) == 1
 
-    # The message is still in the broker (unacked) and comes back once its
-    # visibility timeout lapses; the journal's lease has lapsed by then too.
-    second = spawn_worker(concurrency=1, visibility_timeout=visibility_timeout)
+    # Redis: the message is still in the broker (unacked) and comes back once
+    # its visibility timeout lapses; the journal's lease has lapsed by then
+    # too. RabbitMQ: it comes back at once (the channel closed); the journal
+    # lease (1.5 s, heartbeated) decides, after one deferral.
+    second = spawn_worker(concurrency=1, visibility_timeout=visibility_timeout,
+                          broker_url=broker_url)
     if dead_letter_reason is None:
         assert result.get(timeout=90) == key
     else:

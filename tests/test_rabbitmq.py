@@ -1,47 +1,19 @@
-"""RabbitMQ as the broker (the store stays on Redis): how a write's owner is
-found dead without a visibility timeout.
+"""What only RabbitMQ has: quorum queues and their ``x-delivery-limit``.
 
-RabbitMQ gives a message back as soon as the channel that held it closes, so
-every write heartbeats a short journal lease (``tooleffect_heartbeat_interval``,
-0.5 s here: the lease is 1.5 s). Real ``celery worker`` subprocesses on a
-virtual host of the test's own; the whole first worker is SIGKILLed mid-write.
+The scenarios both brokers share (interruptions, Celery's paths, replay, the
+crash test) are parametrised on both in their own modules. Real ``celery
+worker`` subprocesses on a virtual host of the test's own; every write
+heartbeats a short journal lease (``tooleffect_heartbeat_interval`` 0.5 s).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytest
 from celery import Celery
 
 from celery_tooleffect import DeadLetters
 from tests.conftest import REDIS_URL, Counter, WorkerProcess, rabbitmq_queues, wait_for
-
-
-@pytest.mark.parametrize(("tool", "effect"), [("tools.write", "non_idempotent_write"),
-                                              ("tools.idempotent", "idempotent_write")])
-def test_a_write_whose_worker_died_is_settled_within_one_journal_lease(
-    make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
-    counter: Counter, rabbitmq_url: str, tool: str, effect: str,
-) -> None:
-    app = make_app(broker_url=rabbitmq_url, result_backend=REDIS_URL,
-                   tooleffect_heartbeat_interval=0.5)
-    first = spawn_worker(broker_url=rabbitmq_url, TE_HEARTBEAT="0.5")
-    task_id = app.send_task(tool, args=["held", 30.0], queue="tools").id
-    wait_for(lambda: counter.value("held") == 1, what="the write to start")
-    first.kill()
-    spawn_worker(broker_url=rabbitmq_url, TE_HEARTBEAT="0.5")
-    # Bounded by 30 s: without the journal heartbeat the redelivery would be
-    # deferred for the hour of a visibility timeout RabbitMQ does not have.
-    if effect == "non_idempotent_write":
-        letter = wait_for(lambda: DeadLetters(app).get(task_id), timeout=30,
-                          what="the interrupted write's dead letter")
-        assert letter.reason == "interrupted_write"
-        assert counter.value("held") == 1
-    else:
-        wait_for(lambda: app.AsyncResult(task_id).state == "SUCCESS", timeout=30,
-                 what="the idempotent write to run again")
-        assert counter.value("held") == 2
 
 
 def test_tools_on_a_quorum_queue_with_a_delivery_limit_above_the_budget(
