@@ -299,13 +299,15 @@ class WorkerProcess:
 def start_celery_worker(
     module: str, log: Path, *, pool: str = "prefork", concurrency: int = 1,
     name: str = "w", wait: bool = True, env: dict[str, str] | None = None,
+    wrap: list[str] | None = None,
 ) -> WorkerProcess:
     """``celery -A <module> worker`` as a subprocess in its own session, consuming
-    the queue ``tools``; with ``wait``, returned once it is ready."""
+    the queue ``tools``; with ``wait``, returned once it is ready. ``wrap``
+    runs it through a command (``ip netns exec <ns>``)."""
     # C_FORCE_ROOT: apps that accept pickle are refused as root otherwise (CI is root).
     environment = dict(os.environ, PYTHONPATH=str(TESTS.parent), C_FORCE_ROOT="1", **(env or {}))
     process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", module, "worker",
+        [*(wrap or []), sys.executable, "-m", "celery", "-A", module, "worker",
          "--pool", pool, "--concurrency", str(concurrency), "--loglevel", "INFO",
          "--without-gossip", "--without-mingle", "--without-heartbeat",
          "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h", "-Q", "tools"],

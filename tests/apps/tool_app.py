@@ -5,7 +5,8 @@ Configured from the environment by ``spawn_worker`` in conftest: TE_PREFIX
 (optional separate audit store), TE_COUNTERS (the Redis of the side-effect
 counters and, on a RabbitMQ broker, of the results; default the broker),
 TE_SOCKET_TIMEOUT, TE_HEARTBEAT (``tooleffect_heartbeat_interval``),
-TE_QUEUE_TYPE and TE_DELIVERY_LIMIT (a RabbitMQ quorum queue). Each
+TE_QUEUE_TYPE and TE_DELIVERY_LIMIT (a RabbitMQ quorum queue),
+TE_BROKER_HEARTBEAT (``broker_heartbeat``). Each
 body counts its executions, records the pid of the process running it, and
 holds until released or its hold ends.
 """
@@ -44,6 +45,8 @@ app.conf.update(
         tooleffect_max_retries=int(os.environ.get("TE_MAX_RETRIES", "3")),
         tooleffect_socket_timeout=float(os.environ.get("TE_SOCKET_TIMEOUT", "2.0")),
         tooleffect_heartbeat_interval=float(os.environ.get("TE_HEARTBEAT") or 0) or None,
+        # AMQP heartbeats (seconds): how soon RabbitMQ notices a silent worker.
+        broker_heartbeat=float(os.environ.get("TE_BROKER_HEARTBEAT") or 120),
         worker_hijack_root_logger=True,
     )
 )
@@ -106,4 +109,13 @@ def slow_idempotent(key: str, hold: float = 0.0) -> str:
     deadline = time.monotonic() + hold
     while time.monotonic() < deadline and not counters.exists(f"{PREFIX}release:{key}"):
         time.sleep(0.02)
+    return key
+
+
+@app.task(base=ToolTask, name="tools.write_offline", effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+def write_offline(key: str, hold: float = 0.0) -> str:
+    """Counts, then works ``hold`` seconds without touching any server (a
+    partition may come and go meanwhile)."""
+    counters.incr(f"{PREFIX}count:{key}")
+    time.sleep(hold)
     return key

@@ -12,7 +12,8 @@ command:
   the server answered it, dropping the answer (the command was applied, the
   client cannot know), or before forwarding it (it never ran).
 
-It listens on 127.0.0.1 only, accepts a bounded number of connections, and
+It listens on 127.0.0.1 (or on an address of a network namespace the test
+made itself: ``listen_host``), accepts a bounded number of connections, and
 stops by itself after ``lifetime`` seconds if the test does not close it.
 """
 
@@ -50,11 +51,12 @@ class _Pair:
 
 
 class StoreProxy:
-    """Forward ``127.0.0.1:<port>`` to ``127.0.0.1:<upstream_port>``."""
+    """Forward ``<listen_host>:<port>`` to ``127.0.0.1:<upstream_port>``."""
 
     def __init__(self, upstream_port: int, *, max_connections: int = 128,
-                 lifetime: float = 300.0) -> None:
+                 lifetime: float = 300.0, listen_host: str = "127.0.0.1") -> None:
         self.upstream_port = upstream_port
+        self.host = listen_host
         self.max_connections = max_connections
         self.lifetime = lifetime
         #: Seconds each forwarded chunk waits before it is sent on.
@@ -68,7 +70,7 @@ class StoreProxy:
         self._stop = threading.Event()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
+        self._listener.bind((listen_host, 0))
         self._listener.listen(64)
         self._listener.settimeout(0.1)
         self.port = int(self._listener.getsockname()[1])
@@ -77,7 +79,7 @@ class StoreProxy:
 
     def url(self, credentials: str = "") -> str:
         auth = f"{credentials}@" if credentials else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     # -- control ----------------------------------------------------------------
 
@@ -174,7 +176,11 @@ class StoreProxy:
         source, target = (
             (pair.client, pair.upstream) if to_server else (pair.upstream, pair.client)
         )
-        source.settimeout(0.1)
+        try:
+            # The pair may have been cut (closed) before this thread started.
+            source.settimeout(0.1)
+        except OSError:
+            return
         try:
             while not self._stop.is_set() and not pair.closed:
                 try:

@@ -1,0 +1,107 @@
+"""A network partition: the worker that runs a write loses its broker and store.
+
+The first worker runs in a network namespace of the test's own and reaches the
+broker and the store only through TCP proxies listening on the host end of its
+veth link. In the middle of a long NON_IDEMPOTENT_WRITE (12 s, no deadline)
+the link goes down, long enough for the write's leases to lapse; a second
+worker on the host takes the redelivery. Then the link comes back. Checked:
+the write never runs a second time (it is a dead letter ``interrupted_write``),
+the partitioned owner's outcome is stored as a ``late_outcome``, nothing is
+lost, and the partitioned worker works again once the link is back.
+
+Redis: the message comes back when its visibility timeout (3 s) lapses.
+RabbitMQ: when the server closes the silent connection (AMQP heartbeat 2 s);
+the journal lease (heartbeated every 0.5 s) has lapsed by then.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_tooleffect import AuditLog, DeadLetters
+from tests.conftest import (
+    REDIS_URL,
+    Counter,
+    WorkerProcess,
+    on_broker,
+    start_celery_worker,
+    wait_for,
+)
+from tests.faults.netns import Namespace, namespaces_possible
+from tests.faults.proxy import StoreProxy
+
+pytestmark = pytest.mark.timeout(240)
+
+WHY_NOT = namespaces_possible()
+
+
+@pytest.fixture
+def namespace() -> Iterator[Namespace]:
+    if WHY_NOT is not None:
+        pytest.fail(f"network namespaces are needed for the partition test: {WHY_NOT}")
+    with Namespace() as made:
+        yield made
+
+
+def port_of(url: str, default: int) -> int:
+    netloc = url.split("//", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+    return int(netloc.rsplit(":", 1)[1]) if ":" in netloc else default
+
+
+def test_a_partitioned_owner_never_runs_its_write_twice(
+    make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
+    counter: Counter, main_redis: redis.Redis, prefix: str, broker_url: str,
+    namespace: Namespace, tmp_path: object,
+) -> None:
+    rabbitmq = broker_url.startswith("amqp")
+    app = make_app(**on_broker(prefix, broker_url, visibility_timeout=3.0))
+    store = StoreProxy(port_of(REDIS_URL, 6379), listen_host=namespace.host_ip).start()
+    proxies = [store]
+    if rabbitmq:
+        amqp = StoreProxy(port_of(broker_url, 5672), listen_host=namespace.host_ip).start()
+        proxies.append(amqp)
+        vhost = broker_url.rsplit("/", 1)[1]
+        partitioned_broker = f"amqp://guest:guest@{namespace.host_ip}:{amqp.port}/{vhost}"
+    else:
+        partitioned_broker = store.url()
+    try:
+        owner = start_celery_worker(
+            "tests.apps.tool_app", tmp_path / "partitioned.log",  # type: ignore[operator]
+            name="partitioned", wrap=namespace.inside(),
+            env=dict(TE_PREFIX=prefix, TE_BROKER=partitioned_broker, TE_COUNTERS=store.url(),
+                     TE_STORE=store.url(), TE_VT="3", TE_HEARTBEAT="0.5" if rabbitmq else "",
+                     TE_BROKER_HEARTBEAT="2"),
+        )
+        key = uuid.uuid4().hex[:8]
+        task_id = app.send_task("tools.write_offline", args=[key, 12.0], queue="tools").id
+        wait_for(lambda: counter.value(key) == 1, what="the write to start")
+
+        namespace.cut()
+        other = spawn_worker(concurrency=1, visibility_timeout=3.0, broker_url=broker_url)
+        letter = wait_for(lambda: DeadLetters(app).get(task_id), timeout=60,
+                          what="the redelivery's dead letter\n" + other.output()[-3000:])
+        assert letter.reason == "interrupted_write"
+        namespace.heal()
+
+        # The owner finishes its body after the link is back: its outcome is a
+        # late_outcome, never a second run.
+        wait_for(lambda: "late_outcome" in [e["phase"] for e in AuditLog(app).events(task_id)],
+                 timeout=90, what="the owner's late outcome\n" + owner.output()[-3000:])
+        assert counter.value(key) == 1
+        late = [e for e in AuditLog(app).events(task_id) if e["phase"] == "late_outcome"]
+        assert late[0]["late_phase"] == "outcome" and late[0]["status"] == "succeeded"
+
+        # Nothing was lost, and the partitioned worker works again.
+        other.stop()
+        again = uuid.uuid4().hex[:8]
+        result = app.send_task("tools.read", args=[again, 0.0], queue="tools")
+        assert result.get(timeout=90) == again
+        assert counter.value(again) == 1
+    finally:
+        for proxy in proxies:
+            proxy.close()
