@@ -12,8 +12,17 @@ from collections.abc import Callable
 
 from celery import Celery
 
-from celery_tooleffect import DeadLetters
-from tests.conftest import REDIS_URL, Counter, WorkerProcess, rabbitmq_queues, wait_for
+from celery_tooleffect import DeadLetters, ToolEffect, ToolTask
+from tests.conftest import (
+    REDIS_URL,
+    Counter,
+    RedisServer,
+    WorkerProcess,
+    on_broker,
+    rabbitmq_queues,
+    running_worker,
+    wait_for,
+)
 
 
 def test_tools_on_a_quorum_queue_with_a_delivery_limit_above_the_budget(
@@ -47,3 +56,37 @@ def test_tools_on_a_quorum_queue_with_a_delivery_limit_above_the_budget(
     assert letter.reason == "retries_exhausted"
     assert "4 attempt(s)" in letter.error and "4 interrupted" in letter.error
     assert counter.value("killed") == 4
+
+
+def test_a_write_whose_outcome_cannot_be_stored_keeps_its_message_until_the_store_is_back(
+    make_app: Callable[..., Celery], counter: Counter, second_redis: RedisServer,
+    rabbitmq_url: str, prefix: str,
+) -> None:
+    """On RabbitMQ the dead letters live in the store (there is no broker Redis).
+    When the store refuses writes after a NON_IDEMPOTENT_WRITE's body ran, its
+    outcome and its dead letter both fail: the message stays in RabbitMQ
+    (requeued, never dropped) and the body never runs again; once the store
+    accepts writes, the next delivery finds the attempt's lease lapsed and
+    dead-letters it ``interrupted_write``."""
+    app = make_app(**{**on_broker(prefix, rabbitmq_url), "tooleffect_redis_url": second_redis.url})
+
+    @app.task(base=ToolTask, effect=ToolEffect.NON_IDEMPOTENT_WRITE, name="tools.breaks_store",
+              shared=False)
+    def breaks_store(key: str) -> str:
+        counter.hit(key)
+        second_redis.refuse_writes()
+        return key
+
+    with running_worker(app):
+        result = breaks_store.delay("k")
+        wait_for(lambda: counter.value("k") == 1, what="the body to run")
+        # Delivered again and again meanwhile: refused before anything runs.
+        wait_for(lambda: second_redis.client().info("stats")["total_error_replies"] > 20,
+                 what="later deliveries to be refused by the store")
+        assert counter.value("k") == 1
+        second_redis.accept_writes()
+        letter = wait_for(lambda: DeadLetters(app).get(result.id), timeout=60,
+                          what="the dead letter once the store is back")
+    assert letter.reason == "interrupted_write"
+    assert letter.message is not None  # the message RabbitMQ kept, as delivered
+    assert counter.value("k") == 1
