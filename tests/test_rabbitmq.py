@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from celery import Celery
 
-from celery_tooleffect import DeadLetters, ToolEffect, ToolTask
+from celery_tooleffect import AuditLog, DeadLetters, ToolEffect, ToolTask
 from tests.conftest import (
     REDIS_URL,
     Counter,
@@ -90,3 +90,28 @@ def test_a_write_whose_outcome_cannot_be_stored_keeps_its_message_until_the_stor
     assert letter.reason == "interrupted_write"
     assert letter.message is not None  # the message RabbitMQ kept, as delivered
     assert counter.value("k") == 1
+
+
+def test_a_delivery_deferred_to_a_live_owner_waits_a_fraction_of_consumer_timeout(
+    make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
+    counter: Counter, rabbitmq_url: str, prefix: str,
+) -> None:
+    """The owner's journal lease is 15 s (heartbeat 5 s); a second delivery of
+    the same task comes back after a quarter of consumer_timeout (16 s here: 4 s)
+    instead, so it is never held unacknowledged long enough for RabbitMQ to
+    close the channel. The write runs once."""
+    app = make_app(**on_broker(prefix, rabbitmq_url))
+    spawn_worker(concurrency=2, broker_url=rabbitmq_url, TE_HEARTBEAT="5",
+                 TE_CONSUMER_TIMEOUT="16")
+    task_id = app.send_task("tools.write", args=["owned", 8.0], queue="tools").id
+    wait_for(lambda: counter.value("owned") == 1, what="the write to start")
+    app.send_task("tools.write", args=["owned", 8.0], queue="tools", task_id=task_id)
+    deferred = wait_for(
+        lambda: [e for e in AuditLog(app).events(task_id) if e["phase"] == "deferred"],
+        what="the second delivery to be deferred",
+    )
+    assert 0 < float(deferred[0]["countdown"]) <= 4.0
+    wait_for(lambda: ("duplicate_ignored", "succeeded") in [
+        (e["phase"], e["status"]) for e in AuditLog(app).events(task_id)],
+        timeout=40, what="the deferred copy to find the write done")
+    assert counter.value("owned") == 1

@@ -6,7 +6,8 @@ Configured from the environment by ``spawn_worker`` in conftest: TE_PREFIX
 counters and, on a RabbitMQ broker, of the results; default the broker),
 TE_SOCKET_TIMEOUT, TE_HEARTBEAT (``tooleffect_heartbeat_interval``),
 TE_QUEUE_TYPE and TE_DELIVERY_LIMIT (a RabbitMQ quorum queue),
-TE_BROKER_HEARTBEAT (``broker_heartbeat``). Each
+TE_BROKER_HEARTBEAT (``broker_heartbeat``), TE_CONSUMER_TIMEOUT
+(``tooleffect_rabbitmq_consumer_timeout``). Each
 body counts its executions, records the pid of the process running it, and
 holds until released or its hold ends.
 """
@@ -45,6 +46,8 @@ app.conf.update(
         tooleffect_max_retries=int(os.environ.get("TE_MAX_RETRIES", "3")),
         tooleffect_socket_timeout=float(os.environ.get("TE_SOCKET_TIMEOUT", "2.0")),
         tooleffect_heartbeat_interval=float(os.environ.get("TE_HEARTBEAT") or 0) or None,
+        tooleffect_rabbitmq_consumer_timeout=float(
+            os.environ.get("TE_CONSUMER_TIMEOUT") or 1800),
         # AMQP heartbeats (seconds): how soon RabbitMQ notices a silent worker.
         broker_heartbeat=float(os.environ.get("TE_BROKER_HEARTBEAT") or 120),
         worker_hijack_root_logger=True,
