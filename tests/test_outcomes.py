@@ -22,7 +22,7 @@ from celery_tooleffect import (
     ToolEffect,
     ToolTask,
 )
-from tests.conftest import Counter, RedisServer, running_worker, wait_for
+from tests.conftest import Counter, RedisServer, on_broker, running_worker, wait_for
 
 READ, IDEM, WRITE = (
     ToolEffect.READ_ONLY,
@@ -79,9 +79,14 @@ def phases(app: Celery, run_id: str) -> list[str]:
 
 @pytest.fixture
 def tools(
-    make_app: Callable[..., Celery], counter: Counter
+    make_app: Callable[..., Celery], counter: Counter, prefix: str, broker_url: str,
 ) -> tuple[Celery, dict[ToolEffect, Any]]:
-    app = make_app()
+    """One tool per effect, on each broker in turn (RabbitMQ: a vhost of the test's own).
+
+    The scenarios that break the store run on Redis only: on RabbitMQ the dead
+    letters live in that same store (tests/test_rabbitmq.py covers that case).
+    """
+    app = make_app(**on_broker(prefix, broker_url))
     return app, define_tools(app, counter)
 
 
