@@ -323,6 +323,29 @@ def start_celery_worker(
 
 
 @pytest.fixture
+def app_workers(
+    prefix: str, tmp_path: Path, broker_url: str
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start ``celery -A <tests.apps module> worker`` subprocesses on the test's
+    broker (TE_PREFIX, TE_BROKER set); killed at the end of the test."""
+    started: list[WorkerProcess] = []
+
+    def spawn(module: str, *, pool: str = "prefork", concurrency: int = 2,
+              wait: bool = True, **env: str) -> WorkerProcess:
+        worker = start_celery_worker(
+            module, tmp_path / f"worker-{len(started)}.log", pool=pool,
+            concurrency=concurrency, name=module.rsplit(".", 1)[-1], wait=wait,
+            env=dict(TE_PREFIX=prefix, TE_BROKER=broker_url, **env),
+        )
+        started.append(worker)
+        return worker
+
+    yield spawn
+    for worker in started:
+        worker.kill()
+
+
+@pytest.fixture
 def spawn_worker(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     """Start ``celery -A tests.apps.tool_app worker`` subprocesses; stopped at the end."""
     started: list[WorkerProcess] = []

@@ -14,9 +14,8 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,28 +27,18 @@ from celery_tooleffect.dead_letters import DeadLetter
 from celery_tooleffect.journal import Ending, JournalRef, JournalState
 from celery_tooleffect.runtime import runtime_for
 from tests.apps.paths_app import build
-from tests.conftest import REDIS_URL, WorkerProcess, start_celery_worker, wait_for
+from tests.conftest import REDIS_URL, WorkerProcess, wait_for
 
 EFFECTS = ("read_only", "idempotent_write", "non_idempotent_write")
 
 
 @pytest.fixture
-def start(prefix: str, tmp_path: Path, broker_url: str,
-          ) -> Iterator[Callable[..., WorkerProcess]]:
-    started: list[WorkerProcess] = []
-
+def start(app_workers: Callable[..., WorkerProcess]) -> Callable[..., WorkerProcess]:
     def spawn(pool: str = "prefork", wait: bool = True, **env: str) -> WorkerProcess:
-        worker = start_celery_worker(
-            "tests.apps.paths_app", tmp_path / f"worker-{len(started)}.log",
-            pool=pool, concurrency=2 if pool == "prefork" else 1, name="paths", wait=wait,
-            env=dict(TE_PREFIX=prefix, TE_BROKER=broker_url, **env),
-        )
-        started.append(worker)
-        return worker
+        return app_workers("tests.apps.paths_app", pool=pool,
+                           concurrency=2 if pool == "prefork" else 1, wait=wait, **env)
 
-    yield spawn
-    for worker in started:
-        worker.kill()
+    return spawn
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ import datetime
 import decimal
 import pickle
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,29 +24,20 @@ from celery_tooleffect.dead_letters import DeadLetter
 from celery_tooleffect.envelope import REPLAY_HEADER
 from celery_tooleffect.operations import DeadLetterOperations, Outcome
 from tests.apps.replay_app import build
-from tests.conftest import REDIS_URL, WorkerProcess, start_celery_worker, wait_for
+from tests.conftest import REDIS_URL, WorkerProcess, wait_for
 
 #: Headers a replay changes (everything else is kept as delivered).
 CHANGED = {"retries", "eta", "expires", REPLAY_HEADER}
 
 
 @pytest.fixture
-def start(prefix: str, tmp_path: Path, broker_url: str,
-          ) -> Iterator[Callable[..., WorkerProcess]]:
+def start(app_workers: Callable[..., WorkerProcess]) -> Callable[..., WorkerProcess]:
     """``celery -A tests.apps.replay_app worker`` subprocesses (prefork, 3 children)."""
-    started: list[WorkerProcess] = []
 
     def spawn(**env: str) -> WorkerProcess:
-        worker = start_celery_worker(
-            "tests.apps.replay_app", tmp_path / f"worker-{len(started)}.log",
-            concurrency=3, name="replay", env=dict(TE_PREFIX=prefix, TE_BROKER=broker_url, **env),
-        )
-        started.append(worker)
-        return worker
+        return app_workers("tests.apps.replay_app", concurrency=3, **env)
 
-    yield spawn
-    for worker in started:
-        worker.stop()
+    return spawn
 
 
 @pytest.fixture
