@@ -31,11 +31,11 @@ from typing import Any
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters
-from celery_tooleffect.audit import StepContext, flatten, worker_identity
-from celery_tooleffect.dead_letters import DeadLetter, facets_of
 from celery_tooleffect.effect import ToolEffect
-from celery_tooleffect.envelope import MessageEnvelope
-from celery_tooleffect.lua import script
+from celery_tooleffect.store.audit import StepContext, flatten, worker_identity
+from celery_tooleffect.store.dead_letters import DeadLetter, facets_of
+from celery_tooleffect.store.envelope import MessageEnvelope
+from celery_tooleffect.store.lua import script
 
 from .peak_memory import MARK
 from .servers import ROOT

@@ -5,11 +5,11 @@ closed when their audit cannot be stored, and are never run twice when
 interrupted. See the README for the guarantees and how they are tested.
 """
 
-from .audit import AuditLog
-from .dead_letters import DeadLetter, DeadLetterReason, DeadLetters
 from .effect import ToolEffect, ToolEffectInterface, ToolEffectResolver
 from .errors import (
+    AttemptInProgress,
     AuditPersistenceFailed,
+    ConfigurationError,
     DeadLettered,
     EffectRelabelRefused,
     IntentNotRecorded,
@@ -18,17 +18,23 @@ from .errors import (
     LeaseNotSecured,
     RetriesExhausted,
     StoreUnavailable,
+    TaskRevokedWhileRunning,
     ToolDeclarationError,
+    ToolEffectError,
 )
 from .failures import CircuitOpenError, FailureClass, FailureClassifier, NoSideEffect
-from .journal import Journal, JournalState
-from .task import AttemptInProgress, ToolTask
+from .store.audit import AuditLog
+from .store.dead_letters import DeadLetter, DeadLetterReason, DeadLetters
+from .store.journal import Journal
+from .store.states import JournalState
+from .task import ToolTask
 
 __all__ = [
     "AttemptInProgress",
     "AuditLog",
     "AuditPersistenceFailed",
     "CircuitOpenError",
+    "ConfigurationError",
     "DeadLetter",
     "DeadLetterReason",
     "DeadLettered",
@@ -45,8 +51,10 @@ __all__ = [
     "NoSideEffect",
     "RetriesExhausted",
     "StoreUnavailable",
+    "TaskRevokedWhileRunning",
     "ToolDeclarationError",
     "ToolEffect",
+    "ToolEffectError",
     "ToolEffectInterface",
     "ToolEffectResolver",
     "ToolTask",

@@ -57,11 +57,11 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from .audit import AuditLog
-from .dead_letters import DeadLetter, DeadLetters
 from .effect import ToolEffect
-from .journal import Journal, JournalRef
 from .settings import settings_for
+from .store.audit import AuditLog
+from .store.dead_letters import DeadLetter, DeadLetters
+from .store.journal import Journal, JournalRef
 from .task import ToolTask
 
 ENV_REDIS_URL = "TOOLEFFECT_DEMO_REDIS_URL"

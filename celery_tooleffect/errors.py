@@ -1,4 +1,28 @@
-"""Exceptions the package raises, each saying what went wrong and what it means."""
+"""Every exception the package raises, under one base, each saying what went
+wrong and what it means::
+
+    ToolEffectError
+     +-- ConfigurationError              (also Celery's ImproperlyConfigured)
+     |    +-- EffectRelabelRefused        a setting, header or call option tried
+     |    |                               to change a tool's declared guarantees
+     |    +-- ToolDeclarationError        a tool's own options break its promise
+     +-- StoreUnavailable                the store did not answer or refused a write
+     |    +-- IntentNotRecorded           ... so a write's body did not run
+     |    +-- LeaseNotSecured             ... so a write with a deadline did not start
+     +-- AuditPersistenceFailed          a write's outcome could not be recorded (UNKNOWN)
+     +-- InterruptedWrite                a non-idempotent write started and never finished
+     +-- TaskRevokedWhileRunning         revoke(terminate=True) stopped a running write
+     +-- RetriesExhausted                the retry budget is spent
+     +-- AttemptInProgress               an interactive call found its task running elsewhere
+     +-- CircuitOpenError                (failures.py) raise it when a breaker refuses a call
+     +-- NoSideEffect                    (failures.py) raise it for an error before any effect
+     +-- DeadLettered                    (also Celery's Reject) the message is a dead letter
+     +-- LeaseLost                       (also Celery's Ignore) another delivery owns the call
+
+``DeadLettered`` and ``LeaseLost`` end a call inside the worker; a result
+backend stores them (and the others) with ``exc_module`` set to this module,
+so it is where they stay.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +31,16 @@ from typing import Any
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject
 
 
-class AuditPersistenceFailed(Exception):
+class ToolEffectError(Exception):
+    """The base of every exception celery-tooleffect raises."""
+
+
+class ConfigurationError(ToolEffectError, ImproperlyConfigured):  # type: ignore[misc]
+    """A setting or a tool declaration is wrong; raised when the app or the tool is
+    set up, with what to do instead. Also Celery's ``ImproperlyConfigured``."""
+
+
+class AuditPersistenceFailed(ToolEffectError):
     """A write's audit record could not be stored, so the write fails closed.
 
     It deliberately carries no failure class: the classifier maps it to
@@ -28,7 +61,7 @@ def _rebuild_audit_failed(message: str, body_completed: bool) -> AuditPersistenc
     return AuditPersistenceFailed(message, body_completed=body_completed)
 
 
-class StoreUnavailable(Exception):
+class StoreUnavailable(ToolEffectError):
     """The journal's Redis did not answer or refused a write."""
 
     failure_class = "connection"
@@ -42,7 +75,7 @@ class LeaseNotSecured(StoreUnavailable):
     """The broker lease could not be extended for the deadline; the write did not start."""
 
 
-class EffectRelabelRefused(ImproperlyConfigured):  # type: ignore[misc]
+class EffectRelabelRefused(ConfigurationError):
     """Configuration, a header or a call option tried to change a guarantee.
 
     A tool's effect, and the options its guarantees depend on, are properties
@@ -50,7 +83,7 @@ class EffectRelabelRefused(ImproperlyConfigured):  # type: ignore[misc]
     """
 
 
-class ToolDeclarationError(ImproperlyConfigured):  # type: ignore[misc]
+class ToolDeclarationError(ConfigurationError):
     """A tool declares options that would break its effect's promise.
 
     Raised when the task is bound (at import of the module that defines it),
@@ -58,7 +91,7 @@ class ToolDeclarationError(ImproperlyConfigured):  # type: ignore[misc]
     """
 
 
-class DeadLettered(Reject):  # type: ignore[misc]
+class DeadLettered(ToolEffectError, Reject):  # type: ignore[misc]
     """The message was stored as a dead letter and is rejected without requeue.
 
     ``reason`` (Celery's ``Reject.reason``) is the error that decided it; the
@@ -74,13 +107,14 @@ class DeadLettered(Reject):  # type: ignore[misc]
         dead_letter_reason: str,
         reason: BaseException | None = None,
     ) -> None:
-        super().__init__(reason, requeue=False)
+        # Reject's __init__ (ToolEffectError, before it in the MRO, has none).
+        Reject.__init__(self, reason, requeue=False)
         self.args = (description, failure_class, dead_letter_reason)
         self.description = description
         self.failure_class = failure_class
         self.dead_letter_reason = dead_letter_reason
         #: The letter a tool decided, until the process that holds the message
-        #: stores it (a ``celery_tooleffect.runtime.PendingLetter``); None once
+        #: stores it (a ``celery_tooleffect.worker.letters.PendingLetter``); None once
         #: stored, so that it never reaches a result backend.
         self.pending_letter: Any = None
 
@@ -94,7 +128,7 @@ class DeadLettered(Reject):  # type: ignore[misc]
         return f"DeadLettered({str(self)!r})"
 
 
-class LeaseLost(Ignore):  # type: ignore[misc]
+class LeaseLost(ToolEffectError, Ignore):  # type: ignore[misc]
     """This worker no longer owns the attempt; another delivery settles it.
 
     The outcome was recorded as a ``late_outcome`` audit event. The worker's
@@ -104,13 +138,20 @@ class LeaseLost(Ignore):  # type: ignore[misc]
     """
 
 
-class InterruptedWrite(Exception):
+class InterruptedWrite(ToolEffectError):
     """A non-idempotent write started and never finished; it is never run again."""
 
 
-class TaskRevokedWhileRunning(Exception):
+class TaskRevokedWhileRunning(ToolEffectError):
     """``revoke(terminate=True)`` stopped a write while its body ran; it is a dead letter."""
 
 
-class RetriesExhausted(Exception):
+class RetriesExhausted(ToolEffectError):
     """A tool kept failing or being interrupted until its retry budget was spent."""
+
+
+class AttemptInProgress(ToolEffectError):
+    """An interactive call (``apply()``, a direct call) found the same task id
+    running elsewhere; try again when that attempt has ended."""
+
+    failure_class = "connection"

@@ -21,6 +21,7 @@ from celery.exceptions import Reject
 from kombu.utils.imports import symbol_by_name
 
 from .choices import Choice
+from .errors import ToolEffectError
 
 
 class FailureClass(Choice):
@@ -53,13 +54,13 @@ _RETRYABLE = frozenset(
 )
 
 
-class CircuitOpenError(Exception):
+class CircuitOpenError(ToolEffectError):
     """Raise when a circuit breaker refuses a call; classified CIRCUIT_OPEN."""
 
     failure_class = FailureClass.CIRCUIT_OPEN
 
 
-class NoSideEffect(Exception):
+class NoSideEffect(ToolEffectError):
     """An error raised before the tool touched anything outside itself.
 
     Wrap (``raise NoSideEffect(exc) from exc``) or subclass it. A

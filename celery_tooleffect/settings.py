@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import EffectRelabelRefused
+from .errors import ConfigurationError
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -102,7 +102,7 @@ def refuse_unknown_settings(conf: Mapping[str, Any]) -> None:
         if isinstance(key, str) and key.lower().startswith(PREFIX) and key.lower() not in DEFAULTS
     )
     if unknown:
-        raise EffectRelabelRefused(
+        raise ConfigurationError(
             f"unknown setting(s) {', '.join(unknown)}: celery-tooleffect settings are "
             f"{', '.join(sorted(DEFAULTS))}; a tool's effect is declared in code "
             "and cannot be configured"

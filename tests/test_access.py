@@ -32,9 +32,9 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters, ToolEffect, ToolTask
-from celery_tooleffect.dead_letters import DeadLetterQuery
-from celery_tooleffect.journal import Journal, JournalRef
-from celery_tooleffect.operations import DeadLetterOperations
+from celery_tooleffect.admin.operations import DeadLetterOperations
+from celery_tooleffect.store.dead_letters import DeadLetterQuery
+from celery_tooleffect.store.journal import Journal, JournalRef
 from tests.conftest import RedisServer, free_port, redis_server, running_worker, wait_for
 from tests.test_bad_messages import publish
 
@@ -188,7 +188,7 @@ def test_a_restricted_acl_user_is_enough_for_the_store_and_the_dead_letters(
 ) -> None:
     admin = acl_server.client()
     app = make_app(broker_url="memory://", tooleffect_redis_url=store_url(acl_server.port))
-    caplog.set_level(logging.WARNING, logger="celery_tooleffect.startup")
+    caplog.set_level(logging.WARNING, logger="celery_tooleffect.worker.startup")
     with Monitor(acl_server) as monitor:
         core_flow(app)
 
@@ -230,8 +230,8 @@ def test_a_user_without_a_needed_command_is_refused_loudly(
 ) -> None:
     """Without HSETNX no dead letter can be stored: the refusal is an error the
     package reports (StoreUnavailable), never a silent success."""
-    from celery_tooleffect.dead_letters import DeadLetter
     from celery_tooleffect.errors import StoreUnavailable
+    from celery_tooleffect.store.dead_letters import DeadLetter
 
     acl_server.client().execute_command("ACL", "SETUSER", "tooleffect", "-hsetnx")
     app = make_app(broker_url="memory://", tooleffect_redis_url=store_url(acl_server.port))

@@ -9,7 +9,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, ToolEffect, ToolTask
-from celery_tooleffect.audit import EVENT_FIELDS
+from celery_tooleffect.store.audit import EVENT_FIELDS
 from tests.conftest import RedisServer, running_worker
 
 SECRET = "card-4111-1111-1111-1111"

@@ -11,7 +11,7 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
 from celery_tooleffect import AuditLog, ToolEffect, ToolTask
-from celery_tooleffect.cli import tooleffect
+from celery_tooleffect.admin.cli import tooleffect
 
 
 def make_run(app: Celery, run_id: str) -> AuditLog:

@@ -21,9 +21,9 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import ToolTask
-from celery_tooleffect.audit import AuditLog
-from celery_tooleffect.consumer import DeadLetterStep, install_consumer_step
-from celery_tooleffect.dead_letters import DeadLetter, DeadLetterReason, DeadLetters
+from celery_tooleffect.store.audit import AuditLog
+from celery_tooleffect.store.dead_letters import DeadLetter, DeadLetterReason, DeadLetters
+from celery_tooleffect.worker.consumer import DeadLetterStep, install_consumer_step
 from tests.conftest import REDIS_URL, RedisServer, running_worker, wait_for
 
 QUEUE = "tools"
@@ -241,11 +241,11 @@ def test_refused_message_is_kept_while_the_dead_letter_store_is_down(
     )
     tool = add_tool(app)
     task_id = uuid.uuid4().hex
-    caplog.set_level(logging.ERROR, logger="celery_tooleffect.consumer")
+    caplog.set_level(logging.ERROR, logger="celery_tooleffect.worker.consumer")
 
     def refusals() -> int:
         return sum("not dead-lettered" in r.getMessage() and task_id in r.getMessage()
-                   for r in caplog.records if r.name == "celery_tooleffect.consumer")
+                   for r in caplog.records if r.name == "celery_tooleffect.worker.consumer")
 
     with running_worker(app):
         publish(app, ([], {}, {}), task_headers(app, task_id, "tests.bad_messages.gone"),

@@ -23,9 +23,10 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import DeadLetters
-from celery_tooleffect.dead_letters import DeadLetter
-from celery_tooleffect.journal import Ending, JournalRef, JournalState
-from celery_tooleffect.runtime import runtime_for
+from celery_tooleffect.store.dead_letters import DeadLetter
+from celery_tooleffect.store.journal import JournalRef
+from celery_tooleffect.store.runtime import runtime_for
+from celery_tooleffect.store.states import Ending, JournalState
 from tests.apps.paths_app import build
 from tests.conftest import REDIS_URL, WorkerProcess, wait_for
 

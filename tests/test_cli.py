@@ -29,10 +29,11 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
 from celery_tooleffect import AuditLog, DeadLetter, DeadLetters, ToolEffect, ToolTask
-from celery_tooleffect.cli import parse_duration, tooleffect
-from celery_tooleffect.journal import JournalRef, JournalState
-from celery_tooleffect.operations import DeadLetterOperations, Outcome
-from celery_tooleffect.runtime import runtime_for
+from celery_tooleffect.admin.cli import parse_duration, tooleffect
+from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
+from celery_tooleffect.store.journal import JournalRef
+from celery_tooleffect.store.runtime import runtime_for
+from celery_tooleffect.store.states import JournalState
 from tests.conftest import REDIS_URL, TESTS, Counter, running_worker, wait_for
 
 WIDTH = 100
@@ -558,7 +559,7 @@ def test_audit_show_and_tail(tools: Tools) -> None:
 
 def test_audit_tail_follows_new_events(tools: Tools, prefix: str) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "celery_tooleffect.cli", "-A", "tests.apps.tool_app",
+        [sys.executable, "-m", "celery_tooleffect.admin.cli", "-A", "tests.apps.tool_app",
          "audit", "tail", "--follow", "--count", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=subprocess_env(prefix), cwd=str(TESTS.parent),
@@ -617,7 +618,7 @@ def test_celery_subcommand_and_console_script_in_subprocesses(
 
     script = Path(sys.executable).with_name("celery-tooleffect")
     command = [str(script)] if script.exists() else [sys.executable, "-m",
-                                                     "celery_tooleffect.cli"]
+                                                     "celery_tooleffect.admin.cli"]
     stats = subprocess.run(
         [*command, "-A", "tests.apps.tool_app", "dlq", "stats", "--json"],
         env=env, cwd=str(TESTS.parent), capture_output=True, text=True, timeout=60,

@@ -26,9 +26,10 @@ from celery import Celery
 from redis.cluster import RedisCluster
 
 from celery_tooleffect import AuditLog, DeadLetters, ToolEffect, ToolTask
-from celery_tooleffect.audit import StepContext
-from celery_tooleffect.journal import Journal, JournalRef, JournalState, Verdict
-from celery_tooleffect.keys import Keys
+from celery_tooleffect.store.audit import StepContext
+from celery_tooleffect.store.journal import Journal, JournalRef
+from celery_tooleffect.store.keys import Keys
+from celery_tooleffect.store.states import JournalState, Verdict
 from tests.conftest import redis_server_binary, running_worker, wait_for
 
 

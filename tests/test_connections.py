@@ -1,4 +1,4 @@
-"""The hot path's own packing and round trip (``celery_tooleffect.connections``)."""
+"""The hot path's own packing and round trip (``celery_tooleffect.store.connections``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import redis
 from redis.connection import PythonRespSerializer
 from redis.exceptions import DataError, ResponseError
 
-from celery_tooleffect.connections import one_round_trip, pack, redis_client
+from celery_tooleffect.store.connections import one_round_trip, pack, redis_client
 from tests.conftest import REDIS_URL
 
 

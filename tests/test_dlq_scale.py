@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 
 from bench.store_scale import fill_dead_letters, varied_letters
-from celery_tooleffect.dead_letters import DeadLetterQuery, DeadLetters
+from celery_tooleffect.store.dead_letters import DeadLetterQuery, DeadLetters
 from tests.conftest import TESTS, RedisServer, app_config
 
 N = 100_000

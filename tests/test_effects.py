@@ -9,8 +9,10 @@ import pytest
 from celery import Celery
 
 from celery_tooleffect import (
+    ConfigurationError,
     DeadLetters,
     EffectRelabelRefused,
+    ToolDeclarationError,
     ToolEffect,
     ToolEffectInterface,
     ToolEffectResolver,
@@ -141,7 +143,7 @@ def test_configuration_cannot_relabel_a_tool(make_app: Callable[..., Celery]) ->
               effect=ToolEffect.NON_IDEMPOTENT_WRITE)
     def send_invoice() -> None: ...
 
-    with pytest.raises(EffectRelabelRefused, match="unknown setting"):
+    with pytest.raises(ConfigurationError, match="unknown setting"):
         app.tasks["tools.send_invoice"]
 
 
@@ -152,7 +154,7 @@ def test_time_limit_longer_than_the_deadline_is_refused(make_app: Callable[..., 
               operation_deadline=10, time_limit=60)
     def slow_write() -> None: ...
 
-    with pytest.raises(EffectRelabelRefused, match="longer than its operation_deadline"):
+    with pytest.raises(ToolDeclarationError, match="longer than its operation_deadline"):
         app.tasks[slow_write.name]
 
 

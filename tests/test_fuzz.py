@@ -29,10 +29,10 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from celery_tooleffect import AuditLog, ToolEffect, ToolTask
-from celery_tooleffect.audit import describe_payload
-from celery_tooleffect.dead_letters import DeadLetter, DeadLetters
 from celery_tooleffect.failures import FailureClass, FailureClassifier, NoSideEffect
-from celery_tooleffect.keys import Keys, hash_tag
+from celery_tooleffect.store.audit import describe_payload
+from celery_tooleffect.store.dead_letters import DeadLetter, DeadLetters
+from celery_tooleffect.store.keys import Keys, hash_tag
 from tests.conftest import Counter, running_worker, wait_for
 from tests.test_bad_messages import broker_is_empty, publish
 
@@ -407,7 +407,7 @@ def test_malformed_messages_are_dead_lettered_and_the_worker_keeps_running(
     app: Celery, tool: Any, worker: Any, main_redis: redis.Redis, counter: Counter,
 ) -> None:
     """Each of these stopped the worker, ran a refused body, or vanished without a
-    dead letter before ``celery_tooleffect.strategy`` checked the message."""
+    dead letter before ``celery_tooleffect.worker.strategy`` checked the message."""
     problems = []
     for label, body, changes, error in MALFORMED:
         task_id = uuid.uuid4().hex
@@ -564,7 +564,7 @@ def test_huge_arguments(
 ) -> None:
     """A 5 MB argument: a valid call runs once and its audit says only the size; a
     refused one is dead-lettered with its whole body, and the listing stays small."""
-    from celery_tooleffect.operations import letter_summary
+    from celery_tooleffect.admin.operations import letter_summary
 
     big = "x" * (5 * 1024 * 1024)
     task_id = uuid.uuid4().hex

@@ -13,10 +13,10 @@ from celery.exceptions import ImproperlyConfigured
 from kombu import Connection, Queue
 
 from celery_tooleffect import AuditLog, DeadLetters, ToolEffect, ToolTask
-from celery_tooleffect.journal import JournalRef
-from celery_tooleffect.leases import Leases, LeaseVerdict
-from celery_tooleffect.runtime import runtime_for
-from celery_tooleffect.startup import run_checks
+from celery_tooleffect.store.journal import JournalRef
+from celery_tooleffect.store.leases import Leases, LeaseVerdict
+from celery_tooleffect.store.runtime import runtime_for
+from celery_tooleffect.worker.startup import run_checks
 from tests.conftest import Counter, WorkerProcess, running_worker, wait_for
 
 pytestmark = pytest.mark.timeout(180)

@@ -24,8 +24,8 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, ToolEffect, ToolTask
-from celery_tooleffect.dead_letters import DeadLetters
-from celery_tooleffect.operations import DeadLetterOperations, letter_summary
+from celery_tooleffect.admin.operations import DeadLetterOperations, letter_summary
+from celery_tooleffect.store.dead_letters import DeadLetters
 from tests.conftest import running_worker, wait_for
 from tests.test_bad_messages import broker_is_empty, publish
 

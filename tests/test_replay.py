@@ -20,9 +20,9 @@ import redis
 from celery import Celery, chain, chord
 
 from celery_tooleffect import DeadLetters
-from celery_tooleffect.dead_letters import DeadLetter
-from celery_tooleffect.envelope import REPLAY_HEADER
-from celery_tooleffect.operations import DeadLetterOperations, Outcome
+from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
+from celery_tooleffect.store.dead_letters import DeadLetter
+from celery_tooleffect.store.envelope import REPLAY_HEADER
 from tests.apps.replay_app import build
 from tests.conftest import REDIS_URL, WorkerProcess, wait_for
 

@@ -36,10 +36,10 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters
-from celery_tooleffect.dead_letters import DeadLetter
-from celery_tooleffect.journal import JournalRef
-from celery_tooleffect.lua import script
-from celery_tooleffect.runtime import runtime_for
+from celery_tooleffect.store.dead_letters import DeadLetter
+from celery_tooleffect.store.journal import JournalRef
+from celery_tooleffect.store.lua import script
+from celery_tooleffect.store.runtime import runtime_for
 from tests.conftest import free_port, redis_server_binary, wait_for
 
 #: The tools of tests/apps/tool_app.py and their effects.

@@ -18,8 +18,8 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters, ToolEffect, ToolTask
-from celery_tooleffect.journal import JournalRef
-from celery_tooleffect.runtime import runtime_for
+from celery_tooleffect.store.journal import JournalRef
+from celery_tooleffect.store.runtime import runtime_for
 from tests.conftest import Counter, RedisServer, running_worker, wait_for
 from tests.faults.scenario import broker_holds
 

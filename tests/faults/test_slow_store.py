@@ -27,7 +27,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_tooleffect.operations import DeadLetterOperations, Outcome
+from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
 from tests.conftest import RedisServer, WorkerProcess, wait_for
 from tests.faults.proxy import StoreProxy
 from tests.faults.scenario import FaultRun, broker_holds, load_scripts

@@ -25,7 +25,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_tooleffect.lua import script
+from celery_tooleffect.store.lua import script
 from tests.conftest import RedisServer, WorkerProcess, wait_for
 from tests.faults.proxy import StoreProxy
 from tests.faults.scenario import Call, FaultRun, load_scripts

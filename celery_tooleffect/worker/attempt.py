@@ -14,10 +14,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .audit import StepContext, worker_identity
-from .effect import ToolEffect
-from .envelope import REPLAY_HEADER
-from .journal import JournalRef
+from ..effect import ToolEffect
+from ..store.audit import StepContext, worker_identity
+from ..store.envelope import REPLAY_HEADER
+from ..store.journal import JournalRef
 
 #: The ``tooleffect_*`` message headers a producer may set: the run id, and the
 #: mark a dead-letter replay leaves (informational: workers decide from the
@@ -88,6 +88,34 @@ class Attempt:
     redelivered: bool
     interactive: bool
     retries: int
+
+    @classmethod
+    def of(
+        cls,
+        fields: Mapping[str, Any],
+        *,
+        task_id: str,
+        name: str,
+        effect: ToolEffect,
+        delivery_info: Mapping[str, Any] | None,
+        default_queue: str,
+        token: str,
+        interactive: bool = False,
+        retries: int = 0,
+    ) -> Attempt:
+        """The attempt of a delivery, from its request ``fields``: the one builder,
+        used by the pool process, the worker's main process and the consumer."""
+        return cls(
+            task_id=task_id,
+            run_id=resolve_run_id(fields, task_id),
+            name=name,
+            effect=effect,
+            queue=queue_name(delivery_info, default_queue),
+            token=token,
+            redelivered=bool((delivery_info or {}).get("redelivered")),
+            interactive=interactive,
+            retries=retries,
+        )
 
     @property
     def ref(self) -> JournalRef:

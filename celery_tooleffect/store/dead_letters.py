@@ -1,7 +1,7 @@
 """Dead letters: tasks that will not run again by themselves, kept for operators.
 
 A dead letter holds the message exactly as the broker delivered it (see
-:mod:`celery_tooleffect.envelope`), plus why it was dead-lettered. They live
+:mod:`celery_tooleffect.store.envelope`), plus why it was dead-lettered. They live
 in the broker's Redis when the broker is Redis (so an outage of a separate
 audit store can still dead-letter), else in the store's Redis.
 
@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .audit import text
-from .connections import redis_client
-from .envelope import MessageEnvelope
-from .errors import StoreUnavailable
-from .keys import Keys
-from .lua import script
-from .settings import Settings, settings_for
+from ..errors import StoreUnavailable
+from ..settings import Settings, settings_for
+from ..store.audit import text
+from ..store.connections import redis_client
+from ..store.envelope import MessageEnvelope
+from ..store.keys import Keys
+from ..store.lua import script
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -75,7 +75,7 @@ class DeadLetter:
 
     ``message`` (envelope version 2) keeps the message whole, so that a replay
     publishes the same bytes, headers and properties (see
-    :mod:`celery_tooleffect.envelope`); whoever can read the dead-letter keys
+    :mod:`celery_tooleffect.store.envelope`); whoever can read the dead-letter keys
     can read it. Letters written before version 2 have no ``message``: they
     carry ``args``, ``kwargs``, ``headers`` and ``options`` instead (and
     ``raw_body`` for a message that could not be decoded), read into the

@@ -47,19 +47,8 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.transport.virtual.base import QoS as VirtualQoS
 
-from .attempt import (
-    FORGED_FIELD,
-    TOKEN_FIELD,
-    Attempt,
-    forged_headers,
-    new_token,
-    queue_name,
-    resolve_run_id,
-)
-from .dead_letters import DeadLetterReason
-from .effect import ToolEffect
-from .envelope import MessageEnvelope
-from .errors import (
+from ..effect import ToolEffect
+from ..errors import (
     DeadLettered,
     InterruptedWrite,
     LeaseLost,
@@ -67,23 +56,22 @@ from .errors import (
     StoreUnavailable,
     TaskRevokedWhileRunning,
 )
-from .journal import Ending, JournalState
-from .runtime import PendingLetter, ToolRuntime, build_letter, runtime_for
+from ..store import states
+from ..store.dead_letters import DeadLetterReason
+from ..store.envelope import MessageEnvelope
+from ..store.runtime import ToolRuntime, runtime_for
+from ..store.states import Ending, JournalState
+from .attempt import (
+    FORGED_FIELD,
+    TOKEN_FIELD,
+    Attempt,
+    forged_headers,
+    new_token,
+)
+from .letters import PendingLetter, build_letter, dead_letter, finish_dead_letter
 from .strategy import check_request, request_built
 
 logger = logging.getLogger(__name__)
-
-#: Journal states that mean the pool child settled the attempt before it died.
-SETTLED_STATES = frozenset({
-    JournalState.SUCCEEDED.value, JournalState.DEAD_LETTERED.value, JournalState.NOT_RUN.value,
-})
-#: Journal states from which a revoked or expired task ends without running:
-#: no attempt of it runs now (an interrupted NON_IDEMPOTENT_WRITE is the
-#: exception: it becomes a dead letter, as its next delivery would make it).
-NOT_RUN_FROM = (
-    "absent", JournalState.RETRY_SCHEDULED, JournalState.REPLAYED, JournalState.INTERRUPTED,
-)
-
 
 def _exception_info(exc: BaseException) -> ExceptionInfo:
     try:
@@ -97,7 +85,7 @@ class ToolRequest(Request):  # type: ignore[misc]
 
     def __init__(self, message: Any, **kwargs: Any) -> None:
         # A message of the wrong shape is refused as InvalidTaskError, which
-        # the consumer step dead-letters (see celery_tooleffect.strategy).
+        # the consumer step dead-letters (see celery_tooleffect.worker.strategy).
         try:
             super().__init__(message, **kwargs)
         except InvalidTaskError:
@@ -122,17 +110,15 @@ class ToolRequest(Request):  # type: ignore[misc]
         return runtime_for(self._app or self.task.app)
 
     def _attempt(self) -> Attempt:
-        task = self.task
         fields = self._request_dict
-        return Attempt(
+        return Attempt.of(
+            fields,
             task_id=self.id,
-            run_id=resolve_run_id(fields, self.id),
             name=self.name,
-            effect=getattr(task, "tool_effect", ToolEffect.NON_IDEMPOTENT_WRITE),
-            queue=queue_name(self.delivery_info, self.runtime.settings.default_queue),
+            effect=getattr(self.task, "tool_effect", ToolEffect.NON_IDEMPOTENT_WRITE),
+            delivery_info=self.delivery_info,
+            default_queue=self.runtime.settings.default_queue,
             token=self._tooleffect_token,
-            redelivered=bool((self.delivery_info or {}).get("redelivered")),
-            interactive=False,
             retries=int(fields.get("retries") or 0),
         )
 
@@ -207,7 +193,7 @@ class ToolRequest(Request):  # type: ignore[misc]
             try:
                 moved = runtime.journal.transition(
                     attempt.ref, new_state=JournalState.INTERRUPTED,
-                    allowed=[JournalState.RUNNING], token=attempt.token, event=event,
+                    allowed=states.INTERRUPT_FROM, token=attempt.token, event=event,
                     record_late=False, ending=Ending.INTERRUPTED,
                 )
             except StoreUnavailable as store_down:
@@ -215,7 +201,7 @@ class ToolRequest(Request):  # type: ignore[misc]
                 logger.error("journal down while %s[%s] was interrupted: %s",
                              self.name, self.id, store_down)
             else:
-                if not moved and moved.previous_state in SETTLED_STATES:
+                if not moved and moved.previous_state in states.SETTLED:
                     worker_state.task_ready(self)
                     self.acknowledge()
                     return
@@ -270,7 +256,8 @@ class ToolRequest(Request):  # type: ignore[misc]
             else:
                 runtime.audit.record_step(not_run)
             return False
-        allowed = NOT_RUN_FROM if attempt.effect.safe_to_retry else NOT_RUN_FROM[:-1]
+        allowed = (states.NOT_RUN_FROM if attempt.effect.safe_to_retry
+                   else states.NOT_RUN_UNSAFE_FROM)
         moved = runtime.journal.transition(
             attempt.ref, new_state=JournalState.NOT_RUN, allowed=allowed, event=not_run,
             fields={"cause": cause}, record_late=False,
@@ -317,8 +304,8 @@ class ToolRequest(Request):  # type: ignore[misc]
             attempts=attempt.retries + 1, message=MessageEnvelope.of_message(self._message),
         )
         try:
-            rejection = runtime.dead_letter(
-                attempt, letter, outcome_event=event, owned=owned, exc=exc,
+            rejection = dead_letter(
+                runtime, attempt, letter, outcome_event=event, owned=owned, exc=exc,
                 journalled=attempt.effect.is_write,
             )
         except (StoreUnavailable, LeaseLost) as kept:
@@ -335,7 +322,7 @@ class ToolRequest(Request):  # type: ignore[misc]
         rejection.pending_letter = None
         letter = replace(pending.letter, message=MessageEnvelope.of_message(self._message))
         try:
-            self.runtime.finish_dead_letter(self._attempt(), letter, journalled=pending.journalled)
+            finish_dead_letter(self.runtime, self._attempt(), letter, journalled=pending.journalled)
         except Exception as kept:
             # A later delivery finds the journal 'dead_lettering' and finishes it.
             logger.error("dead letter of %s[%s] not stored, requeueing the message: %s: %s",

@@ -6,7 +6,7 @@ file, authentication, TLS and URL prefix), plus:
 
 - a **Dead letters** tab in Flower's navigation: the list with filters (queue,
   reason, failure class, effect) and paging, one letter's details, and replay
-  and purge buttons under the rules of :mod:`celery_tooleffect.operations`. A
+  and purge buttons under the rules of :mod:`celery_tooleffect.admin.operations`. A
   NON_IDEMPOTENT_WRITE (or a write whose body completed) is replayed only
   when the operator ticks a confirmation and gives a reason; without them the
   page shows the refusal and nothing is published;
@@ -88,15 +88,15 @@ from flower.views import BaseHandler
 from tornado import web
 from tornado.web import url
 
-from .dead_letters import Cursor, DeadLetterQuery, DeadLetterReason
-from .effect import ToolEffect
-from .failures import FailureClass
-from .operations import (
+from ..admin.operations import (
     ActionResult,
     DeadLetterOperations,
     Outcome,
     letter_summary,
 )
+from ..effect import ToolEffect
+from ..failures import FailureClass
+from ..store.dead_letters import Cursor, DeadLetterQuery, DeadLetterReason
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class TemplateLoader(tornado.template.Loader):
 
     def __init__(self, root_directory: str, **kwargs: Any) -> None:
         super().__init__(root_directory, **kwargs)
-        self.own = resources.files("celery_tooleffect") / "flower_templates"
+        self.own = resources.files("celery_tooleffect.admin") / "flower_templates"
 
     def _create_template(self, name: str) -> tornado.template.Template:
         own = self.own / name

@@ -32,7 +32,7 @@ worker can run. The letter is keyed by the message's task id (a generated one
 when the message has none, so a message without an id that is delivered twice
 yields two letters) and keeps the message exactly as it was delivered (body
 bytes, content type and encoding, headers, properties, routing: see
-:mod:`celery_tooleffect.envelope`), so that once the task exists (or its
+:mod:`celery_tooleffect.store.envelope`), so that once the task exists (or its
 content type is accepted) a replay publishes it unchanged.
 
 What it promises:
@@ -91,14 +91,15 @@ from celery import bootsteps
 from celery.exceptions import NotRegistered
 from kombu.exceptions import ContentDisallowed, DecodeError
 
-from .attempt import queue_name, resolve_run_id
-from .audit import StepContext, worker_identity
-from .dead_letters import DeadLetter, DeadLetterReason
-from .effect import ToolEffect, ToolEffectResolver
-from .envelope import MessageEnvelope
-from .errors import StoreUnavailable
-from .failures import FailureClass
-from .runtime import runtime_for
+from ..effect import ToolEffect, ToolEffectResolver
+from ..errors import StoreUnavailable
+from ..failures import FailureClass
+from ..store.audit import StepContext
+from ..store.dead_letters import DeadLetter, DeadLetterReason
+from ..store.envelope import MessageEnvelope
+from ..store.runtime import runtime_for
+from .attempt import Attempt
+from .letters import build_letter
 
 logger = logging.getLogger(__name__)
 
@@ -283,11 +284,16 @@ def build_refused_letter(
 
     task_id = str(fields.get("id") or uuid.uuid4().hex)
     name = str(fields.get("task") or "")
-    effect = _effect(app, name)
-    delivery_info = _mapping(getattr(message, "delivery_info", None))
-    queue = queue_name(delivery_info, app.conf.task_default_queue)
-    run_id = resolve_run_id(fields, task_id)
-    error = str(exc) if exc is not None else ""
+    attempt = Attempt.of(
+        fields,
+        task_id=task_id,
+        name=name,
+        effect=_effect(app, name),
+        delivery_info=_mapping(getattr(message, "delivery_info", None)),
+        default_queue=app.conf.task_default_queue,
+        token="",
+    )
+    error = None
     if reason is DeadLetterReason.UNKNOWN_TASK:
         # Celery passes the KeyError of its strategy lookup (or nothing).
         exc = NotRegistered(name) if name else None
@@ -295,30 +301,11 @@ def build_refused_letter(
             f"task {name!r} is not registered on this worker" if name
             else "not a Celery task message: it names no task"
         )
-    letter = DeadLetter(
-        task_id=task_id,
-        name=name,
-        queue=queue,
-        reason=reason.value,
-        failure_class=FailureClass.CLIENT_ERROR.value,
-        effect=effect.value,
-        run_id=run_id,
-        exception_type=type(exc).__qualname__ if exc is not None else "",
-        error=error,
-        attempts=0,
-        worker=worker_identity(),
-        message=MessageEnvelope.of_message(message),
+    letter = build_letter(
+        attempt, reason=reason, failure_class=FailureClass.CLIENT_ERROR, exc=exc,
+        attempts=0, message=MessageEnvelope.of_message(message), error=error,
     )
-    context = StepContext(
-        run_id=run_id,
-        task_id=task_id,
-        tool=name,
-        effect=effect,
-        queue=queue,
-        redelivered=bool(delivery_info.get("redelivered")),
-        worker=letter.worker,
-    )
-    return letter, context
+    return letter, attempt.context
 
 
 def _decoded(message: Any, reason: DeadLetterReason) -> Any:

@@ -1,7 +1,7 @@
 """What operators do with dead letters: replay, purge, count, and how a letter is shown.
 
-The CLI (:mod:`celery_tooleffect.cli`) and the Flower page
-(:mod:`celery_tooleffect.flower`) both call :class:`DeadLetterOperations`, so
+The CLI (:mod:`celery_tooleffect.admin.cli`) and the Flower page
+(:mod:`celery_tooleffect.admin.flower`) both call :class:`DeadLetterOperations`, so
 the rules below hold wherever an operator acts.
 
 Replay
@@ -55,20 +55,22 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .attempt import RUN_ID_HEADER
-from .audit import MASK, describe_payload, worker_identity
-from .chords import chord_member, chord_refusal
-from .dead_letters import (
+from ..effect import ToolEffect
+from ..errors import StoreUnavailable, ToolEffectError
+from ..store import states
+from ..store.audit import MASK, describe_payload, worker_identity
+from ..store.chords import chord_member, chord_refusal
+from ..store.dead_letters import (
     DeadLetter,
     DeadLetterQuery,
     DeadLetterReason,
     DeadLetterStats,
 )
-from .effect import ToolEffect
-from .envelope import shown
-from .errors import StoreUnavailable
-from .journal import JournalRef, JournalState
-from .runtime import ToolRuntime, runtime_for
+from ..store.envelope import shown
+from ..store.journal import JournalRef
+from ..store.runtime import ToolRuntime, runtime_for
+from ..store.states import JournalState
+from ..worker.attempt import RUN_ID_HEADER
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -82,14 +84,6 @@ REASON_LIMIT = 1000
 #: is taken to be abandoned (its process died), so a new replay may resume it.
 ABANDONED_AFTER = 120.0
 
-#: Journal states a replay starts from (``absent``: no entry, or it expired).
-REPLAYABLE_FROM = (
-    "absent",
-    JournalState.DEAD_LETTERED,
-    JournalState.DEAD_LETTERING,
-    JournalState.INTERRUPTED,
-    JournalState.REPLAYED,
-)
 
 
 def default_actor() -> str:
@@ -435,9 +429,8 @@ class DeadLetterOperations:
                             force=force, via=via)
         try:
             if effect.is_write:
-                allowed: list[JournalState | str] = list(REPLAYABLE_FROM)
-                if effect is ToolEffect.IDEMPOTENT_WRITE:
-                    allowed.append(JournalState.SUCCEEDED)
+                allowed = (states.REPLAY_IDEMPOTENT_FROM if effect is ToolEffect.IDEMPOTENT_WRITE
+                           else states.REPLAY_FROM)
                 answer = runtime.journal.replay(
                     ref, token=token, effect=effect.value, allowed=allowed, event=event,
                     refuse_late_outcome=effect is ToolEffect.NON_IDEMPOTENT_WRITE,
@@ -472,7 +465,7 @@ class DeadLetterOperations:
                 with contextlib.suppress(StoreUnavailable):
                     runtime.journal.transition(
                         ref, new_state=JournalState.DEAD_LETTERED,
-                        allowed=[JournalState.REPLAYED], token=token, event=failed,
+                        allowed=frozenset({JournalState.REPLAYED}), token=token, event=failed,
                         record_late=False,
                     )
             else:
@@ -587,7 +580,7 @@ def _run_id(letter: DeadLetter) -> str:
     return str(letter.run_id or letter.headers_as_delivered.get(RUN_ID_HEADER) or letter.task_id)
 
 
-class ChordEnded(Exception):
+class ChordEnded(ToolEffectError):
     """The chord of a replayed member ended meanwhile; the replay is refused."""
 
 

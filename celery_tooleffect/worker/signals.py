@@ -19,9 +19,9 @@ from typing import Any
 
 from celery.signals import task_failure
 
+from ..errors import DeadLettered
+from ..store.audit import StepContext, worker_identity
 from .attempt import queue_name, resolve_run_id
-from .audit import StepContext, worker_identity
-from .errors import DeadLettered
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def classify_reported_failure(
     effect = getattr(sender, "tool_effect", None)
     if effect is None or exception is None or task_id is None:
         return
-    from .runtime import runtime_for
+    from ..store.runtime import runtime_for
 
     try:
         runtime = runtime_for(sender.app)

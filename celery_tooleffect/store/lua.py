@@ -18,7 +18,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from .connections import Command, one_round_trip
+from ..store.connections import Command, one_round_trip
 
 KeyOrArg = str | bytes | int | float
 
@@ -79,7 +79,7 @@ class LuaScript:
 @functools.cache
 def script(name: str) -> LuaScript:
     """The script ``scripts/<name>.lua`` with the shared prelude, read once."""
-    folder = resources.files("celery_tooleffect") / "scripts"
+    folder = resources.files("celery_tooleffect.store") / "scripts"
     prelude = (folder / "prelude.lua").read_text(encoding="utf-8")
     body = (folder / f"{name}.lua").read_text(encoding="utf-8")
     return LuaScript(name, f"{prelude}\n{body}")

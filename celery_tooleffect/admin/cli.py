@@ -40,8 +40,8 @@ import click
 if TYPE_CHECKING:
     from celery import Celery
 
-    from .dead_letters import DeadLetter, DeadLetterQuery
-    from .operations import ActionResult, DeadLetterOperations
+    from ..admin.operations import ActionResult, DeadLetterOperations
+    from ..store.dead_letters import DeadLetter, DeadLetterQuery
 
 EXIT_REFUSED = 1
 
@@ -93,7 +93,7 @@ def _app(ctx: click.Context) -> Celery:
 
 
 def _operations(ctx: click.Context) -> DeadLetterOperations:
-    from .operations import DeadLetterOperations
+    from ..admin.operations import DeadLetterOperations
 
     return DeadLetterOperations(_app(ctx))
 
@@ -118,7 +118,7 @@ def _when(timestamp: float | str | None) -> str:
 def _store_errors() -> tuple[type[BaseException], ...]:
     import redis
 
-    from .errors import StoreUnavailable
+    from ..errors import StoreUnavailable
 
     return (StoreUnavailable, redis.RedisError)
 
@@ -152,7 +152,7 @@ def _filters(command: Any) -> Any:
 
 def _query(queue: str | None, reason: str | None, failure_class: str | None,
            effect: str | None) -> DeadLetterQuery:
-    from .dead_letters import DeadLetterQuery
+    from ..store.dead_letters import DeadLetterQuery
 
     return DeadLetterQuery(queue=queue or None, reason=reason or None,
                            failure_class=failure_class or None, effect=effect or None)
@@ -171,8 +171,8 @@ def dlq_list(ctx: click.Context, queue: str | None, failure_class: str | None,
              effect: str | None, reason: str | None, limit: int, cursor: str | None,
              as_json: bool) -> None:
     """List dead letters, newest first, one page at a time (no full scan)."""
-    from .dead_letters import Cursor
-    from .operations import letter_summary
+    from ..admin.operations import letter_summary
+    from ..store.dead_letters import Cursor
 
     operations = _operations(ctx)
     try:
@@ -198,7 +198,7 @@ def dlq_list(ctx: click.Context, queue: str | None, failure_class: str | None,
     if not page.letters:
         click.echo("No dead letters match.")
         return
-    from .table import render
+    from ..admin.table import render
 
     click.echo(render(
         ["TASK ID", "STORED (UTC)", "QUEUE", "TOOL", "EFFECT", "REASON", "CLASS", "TRY",
@@ -242,7 +242,7 @@ def dlq_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if as_json:
         _echo_json(detail)
         return
-    from .table import key_values, terminal_width
+    from ..admin.table import key_values, terminal_width
 
     letter = detail["dead_letter"]
     replay = detail["replay"]
@@ -331,7 +331,7 @@ def dlq_replay(ctx: click.Context, task_ids: tuple[str, ...], replay_all: bool,
         raise click.UsageError("--force replays one task id at a time")
     if force and not why.strip():
         raise click.UsageError("--force needs --reason: a forced replay is audited with why")
-    from .operations import default_actor
+    from ..admin.operations import default_actor
 
     operations = _operations(ctx)
     actor = default_actor()
@@ -372,7 +372,7 @@ def dlq_purge(ctx: click.Context, task_ids: tuple[str, ...], purge_all: bool,
     if not purge_all and (older_than is not None or queue or failure_class or effect
                           or dead_letter_reason):
         raise click.UsageError("--older-than and filters go with --all")
-    from .operations import default_actor
+    from ..admin.operations import default_actor
 
     operations = _operations(ctx)
     actor = default_actor()
@@ -409,7 +409,7 @@ def _confirm(question: str, yes: bool) -> None:
 
 
 def _report(results: Iterable[ActionResult], as_json: bool, done_word: str) -> None:
-    from .operations import Outcome, results_summary
+    from ..admin.operations import Outcome, results_summary
 
     if as_json:
         listed = list(results)
@@ -445,7 +445,7 @@ def dlq_stats(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         _echo_json(stats.to_dict())
         return
-    from .table import render
+    from ..admin.table import render
 
     rows: list[list[str]] = [["total", "", str(stats.total)]]
     for title, counts in (("queue", stats.by_queue), ("reason", stats.by_reason),
@@ -485,7 +485,7 @@ def _event_row(event: Mapping[str, str]) -> list[str]:
 @click.pass_context
 def audit_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
     """Show the audit events of one run, oldest first."""
-    from .runtime import runtime_for
+    from ..store.runtime import runtime_for
 
     try:
         events = runtime_for(_app(ctx)).audit.events(run_id)
@@ -498,7 +498,7 @@ def audit_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
         return
     if not events:
         _fail(f"{run_id}: no audit events for this run")
-    from .table import render
+    from ..admin.table import render
 
     click.echo(render(_EVENT_HEADERS, [_event_row(event) for event in events],
                       shrink=["TOOL", "BY", "EXCEPTION"],
@@ -517,7 +517,7 @@ def audit_verify(ctx: click.Context, run_ids: tuple[str, ...], every: bool,
     Exit code 0 when every chain is intact, 1 when one is broken or a run has
     no events.
     """
-    from .runtime import runtime_for
+    from ..store.runtime import runtime_for
 
     if bool(run_ids) == every:
         raise click.UsageError("give RUN_ID... or --all (not both)")
@@ -554,7 +554,7 @@ _TAIL_WIDTHS = (8, 14, 13)
 
 
 def _tail_line(event: Mapping[str, str], width: int) -> str:
-    from .table import clip, cut
+    from ..admin.table import clip, cut
 
     ts = event.get("ts", "")
     moment = _when(ts)[11:19] if ts and ts[0].isdigit() else ts
@@ -574,9 +574,9 @@ def _tail_line(event: Mapping[str, str], width: int) -> str:
 @click.pass_context
 def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool) -> None:
     """Show the newest events of all runs (the global stream); --follow keeps going."""
-    from .audit import text
-    from .runtime import runtime_for
-    from .table import terminal_width
+    from ..admin.table import terminal_width
+    from ..store.audit import text
+    from ..store.runtime import runtime_for
 
     log = runtime_for(_app(ctx)).audit
     width = terminal_width()
@@ -625,7 +625,7 @@ def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool) -> N
 def flower_command(ctx: click.Context, flower_argv: tuple[str, ...]) -> None:
     """Start Flower 2.x with a "Dead letters" page (takes Flower's own options)."""
     try:
-        from .flower import run_flower
+        from ..admin.flower import run_flower
     except ImportError as exc:  # pragma: no cover - depends on the extra
         _fail(f"Flower is not installed ({exc}): pip install 'celery-tooleffect[flower]'")
     quiet = bool(getattr(ctx.find_root().obj, "quiet", False))
@@ -657,5 +657,5 @@ def main(ctx: click.Context, app_name: str, workdir: str | None) -> None:
     ctx.obj = CLIContext(app=app, no_color=True, workdir=workdir, quiet=False)
 
 
-if __name__ == "__main__":  # python -m celery_tooleffect.cli -A app ...
+if __name__ == "__main__":  # python -m celery_tooleffect.admin.cli -A app ...
     main()

@@ -36,11 +36,11 @@ from typing import Any
 from celery import Task
 from celery.utils.time import get_exponential_backoff_interval
 
-from .effect import ToolEffect
-from .errors import ToolDeclarationError
-from .failures import FailureClass, is_no_side_effect
-from .journal import Ending
-from .settings import Settings
+from ..effect import ToolEffect
+from ..errors import ToolDeclarationError
+from ..failures import FailureClass, is_no_side_effect
+from ..settings import Settings
+from ..store.states import Ending
 
 #: Set on the exception ``self.retry()`` raises once the budget is spent
 #: (Celery raises the tool's ``exc``, or ``MaxRetriesExceededError``).

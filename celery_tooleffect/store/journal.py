@@ -5,83 +5,27 @@ Lua script (``scripts/*.lua``) that also appends the matching audit event to
 the run's stream, so a transition and its audit record are stored together or
 not at all.
 
-States of a task's entry::
-
-    (absent) --begin_attempt--> running --settle--> succeeded
-                                   |  \\--settle--> retry_scheduled --begin_attempt--> running
-                                   |   \\--settle--> failed            (interactive runs)
-                                   |----mark_interrupted--> interrupted
-                                   \\--begin_dead_lettering--> dead_lettering --> dead_lettered
-    (absent), retry_scheduled, replayed, interrupted --revoked/expired--> not_run
-
-``not_run`` is terminal: the task was revoked or expired before its body
-started, and a later delivery is acknowledged without running. The entry
-also counts how earlier attempts ended (``ended_failed``,
-``ended_interrupted``, ``ended_requested``), so that a spent retry budget
-says what spent it.
-
-A transition is fenced by the attempt's owner token: a worker that lost its
-lease cannot move the entry, and its outcome is stored as a ``late_outcome``
-event instead.
+Its states and allowed moves are :mod:`celery_tooleffect.store.states`.
 """
 
 from __future__ import annotations
 
-import enum
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis
 
+from ..errors import StoreUnavailable
+from ..settings import Settings
 from .audit import AuditLog, flatten, text
-from .errors import StoreUnavailable
 from .keys import Keys
 from .lua import script
-from .settings import Settings
+from .states import Ending, JournalState, Verdict, allowed_argument
 
 #: Errors after which a script may have run on the server with its answer lost
 #: (a cut connection, a timeout): an ambiguous outcome, not a refusal.
 AMBIGUOUS = (redis.ConnectionError, redis.TimeoutError)
-
-
-class JournalState(str, enum.Enum):
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    RETRY_SCHEDULED = "retry_scheduled"
-    FAILED = "failed"
-    INTERRUPTED = "interrupted"
-    DEAD_LETTERING = "dead_lettering"
-    DEAD_LETTERED = "dead_lettered"
-    REPLAYED = "replayed"
-    #: Revoked or expired before its body started; never runs.
-    NOT_RUN = "not_run"
-
-
-class Ending(str, enum.Enum):
-    """How an attempt that may be followed by another one ended (counted per entry)."""
-
-    FAILED = "failed"
-    INTERRUPTED = "interrupted"
-    REQUESTED = "requested"
-
-    @property
-    def counter(self) -> str:
-        """The journal field that counts these endings."""
-        return f"ended_{self.value}"
-
-
-class Verdict(str, enum.Enum):
-    """What :meth:`Journal.begin_attempt` decided for a delivery."""
-
-    STARTED = "started"
-    DONE = "done"
-    DEAD_LETTERED = "dead_lettered"
-    DEAD_LETTERING = "dead_lettering"
-    OWNED = "owned"
-    INTERRUPTED = "interrupted"
-    NOT_RUN = "not_run"
-    EXHAUSTED = "exhausted"
 
 
 @dataclass(frozen=True)
@@ -108,7 +52,8 @@ class Transition:
     """The answer of :meth:`Journal.transition`; true when the entry moved."""
 
     moved: bool
-    #: The state the entry was in when the script ran ('absent' for none).
+    #: The state the entry was in when the script ran (a JournalState value,
+    #: or 'unknown' when the answer was lost and the move found applied).
     previous_state: str
 
     def __bool__(self) -> bool:
@@ -200,7 +145,7 @@ class Journal:
         ref: JournalRef,
         *,
         new_state: JournalState,
-        allowed: Iterable[JournalState | str],
+        allowed: frozenset[JournalState],
         event: Mapping[str, str],
         token: str = "",
         fields: Mapping[str, str] | None = None,
@@ -236,7 +181,7 @@ class Journal:
                 self._keys(ref),
                 [
                     token,
-                    " ".join(str(getattr(state, "value", state)) for state in allowed),
+                    allowed_argument(allowed),
                     new_state.value,
                     self.settings.journal_ttl,
                     self.settings.run_stream_maxlen,
@@ -302,7 +247,7 @@ class Journal:
         *,
         token: str,
         effect: str,
-        allowed: Iterable[JournalState | str],
+        allowed: frozenset[JournalState],
         event: Mapping[str, str],
         refuse_late_outcome: bool,
         lapsed_running_ok: bool = False,
@@ -323,7 +268,7 @@ class Journal:
                 [
                     token,
                     f"{time.time():.6f}",
-                    " ".join(str(getattr(state, "value", state)) for state in allowed),
+                    allowed_argument(allowed),
                     effect,
                     self.settings.journal_ttl,
                     self.settings.run_stream_maxlen,
@@ -354,3 +299,4 @@ class Replay:
 
     def __bool__(self) -> bool:
         return self.reset
+

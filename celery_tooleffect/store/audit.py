@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .connections import Command, one_round_trip, redis_client
-from .effect import ToolEffect
-from .keys import Keys, unescape_hash_tag
-from .lua import script
-from .settings import Settings, settings_for
+from ..effect import ToolEffect
+from ..settings import Settings, settings_for
+from ..store.connections import Command, one_round_trip, redis_client
+from ..store.keys import Keys, unescape_hash_tag
+from ..store.lua import script
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery.backends.redis import RedisBackend
 
-from .dead_letters import DeadLetter
-from .lua import script
+from ..store.dead_letters import DeadLetter
+from ..store.lua import script
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -33,12 +33,12 @@ import logging
 from typing import Any
 
 from celery import bootsteps
-from celery.exceptions import ImproperlyConfigured
 
-from .connections import redis_client
-from .leases import heartbeat_interval
+from ..errors import ConfigurationError
+from ..settings import Settings, settings_for
+from ..store.connections import redis_client
+from .heartbeat import heartbeat_interval
 from .retries import RetryPolicy
-from .settings import Settings, settings_for
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +119,11 @@ def persistence_warnings(settings: Settings) -> list[str]:
 
 
 def run_checks(app: Any) -> None:
-    """Raise ImproperlyConfigured, or log warnings, for this app's configuration."""
+    """Raise ConfigurationError, or log warnings, for this app's configuration."""
     settings = settings_for(app)
     errors = configuration_errors(app, settings)
     if errors:
-        raise ImproperlyConfigured("celery-tooleffect: " + "; ".join(errors))
+        raise ConfigurationError("celery-tooleffect: " + "; ".join(errors))
     if not settings.broker_is_redis:
         interval = heartbeat_interval(settings, None)
         logger.warning(

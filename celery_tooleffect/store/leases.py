@@ -1,0 +1,113 @@
+"""Leases: how long a running write may keep its message and its journal entry.
+
+Two leases guard a write with an ``operation_deadline``:
+
+- the **broker lease**: on kombu's Redis transport a message is restored (and so
+  delivered again) once its score in ``unacked_index`` is older than
+  ``now - visibility_timeout``. Before the body starts, the score is raised so
+  that the message stays put until the deadline; the write does not start if
+  that fails. On transports without leases (RabbitMQ, memory) this is a no-op.
+- the **journal lease**: ``lease_end`` of the journal entry says how long the
+  owner is presumed alive. It is kept short and renewed by a heartbeat while
+  the body runs (:mod:`celery_tooleffect.worker.heartbeat`), never past the
+  deadline, so a worker that died is noticed soon after, and not only when
+  the deadline passes.
+
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from ..settings import Settings
+from ..store.connections import redis_client
+from ..store.lua import script
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseVerdict(str, enum.Enum):
+    """The answer of one extension of a broker lease."""
+
+    OK = "ok"
+    BUSY = "busy"
+    LOST = "lost"
+    UNAVAILABLE = "unavailable"
+
+
+@dataclass(frozen=True)
+class BrokerLease:
+    """The lease of one delivered message on kombu's Redis transport."""
+
+    tag: str
+    index_key: str
+    mutex_key: str
+    visibility_timeout: float
+
+    def score_for(self, lease_end: float) -> float:
+        """The ``unacked_index`` score that keeps the message until ``lease_end``."""
+        return lease_end - self.visibility_timeout
+
+
+class Leases:
+    """Extends broker leases of one app's messages."""
+
+    #: How often, and how long apart, a BUSY answer is tried again.
+    BUSY_RETRIES = 40
+    BUSY_WAIT = 0.05
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        options = settings.broker_transport_options
+        prefix = str(options.get("global_keyprefix", ""))
+        # kombu's prefixed client does not prefix every command (ZADD in a
+        # script, for one), so the prefix is added here.
+        self._index_key = prefix + str(options.get("unacked_index_key", "unacked_index"))
+        self._mutex_key = prefix + str(options.get("unacked_mutex_key", "unacked_mutex"))
+
+    @property
+    def supported(self) -> bool:
+        """Whether the broker has leases to extend (kombu's Redis transport)."""
+        return self.settings.broker_is_redis
+
+    @property
+    def client(self) -> redis.Redis:
+        return redis_client(self.settings.broker_url, self.settings.socket_timeout)
+
+    def broker_lease(self, properties: Mapping[str, Any] | None) -> BrokerLease | None:
+        """The lease of the message with these properties; None without one."""
+        tag = (properties or {}).get("delivery_tag")
+        if not self.supported or tag is None:
+            return None
+        return BrokerLease(
+            tag=str(tag),
+            index_key=self._index_key,
+            mutex_key=self._mutex_key,
+            visibility_timeout=self.settings.visibility_timeout,
+        )
+
+    def extend_lease(self, lease: BrokerLease, lease_end: float) -> LeaseVerdict:
+        """Keep the message until ``lease_end``; waits out a running restore sweep."""
+        for _ in range(self.BUSY_RETRIES):
+            try:
+                answer = script("extend_lease")(
+                    self.client,
+                    [lease.mutex_key, lease.index_key],
+                    [lease.tag, f"{lease.score_for(lease_end):.6f}"],
+                )
+            except redis.RedisError as exc:
+                logger.warning("broker lease of %s not extended: %s", lease.tag, exc)
+                return LeaseVerdict.UNAVAILABLE
+            verdict = LeaseVerdict(answer.decode().lower() if isinstance(answer, bytes)
+                                   else str(answer).lower())
+            if verdict is not LeaseVerdict.BUSY:
+                return verdict
+            time.sleep(self.BUSY_WAIT)
+        return LeaseVerdict.BUSY

@@ -1,0 +1,144 @@
+"""The write journal's state machine: every state, and which moves are allowed.
+
+One module, as Celery's ``celery/states.py``: the journal (Python) and its Lua
+scripts (``scripts/*.lua``) use these names; ``tests/test_states.py`` checks
+that every state, verdict and effect literal in the scripts is one of them.
+
+States of a task's entry::
+
+    absent --begin_attempt--> running --settle--> succeeded
+                                 |  \\--settle--> retry_scheduled --begin_attempt--> running
+                                 |   \\--settle--> failed            (interactive runs)
+                                 |----lease lapsed / worker lost--> interrupted
+                                 \\--begin_dead_lettering--> dead_lettering --> dead_lettered
+    absent, retry_scheduled, replayed, interrupted --revoked/expired--> not_run
+    absent, dead_lettering, dead_lettered, interrupted, replayed --replay--> replayed
+        (also from succeeded for an IDEMPOTENT_WRITE, and from a running
+        entry whose lease lapsed unless it is a NON_IDEMPOTENT_WRITE not forced)
+
+``absent`` is no entry at all: never written, expired (``tooleffect_journal_ttl``)
+or lost with a store restarted without persistence. ``succeeded``,
+``dead_lettered`` and ``not_run`` are where an entry ends: a later delivery of
+the task is acknowledged without running (an operator's replay reopens a
+dead-lettered one). The entry also counts how earlier attempts ended
+(:class:`Ending`), so that a spent retry budget says what spent it.
+
+A move is fenced by the attempt's owner token: a worker that lost its lease
+cannot move the entry, and its outcome is stored as a ``late_outcome`` event.
+"""
+
+from __future__ import annotations
+
+from ..choices import Choice
+
+
+class JournalState(Choice):
+    """Where a write's journal entry stands."""
+
+    __choice_name__ = "a journal state"
+
+    #: No entry (never written, expired, or lost with the store).
+    ABSENT = "absent"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    RETRY_SCHEDULED = "retry_scheduled"
+    #: An interactive run failed (queued runs retry or are dead-lettered).
+    FAILED = "failed"
+    #: Its attempt stopped without an outcome (worker lost, lease lapsed).
+    INTERRUPTED = "interrupted"
+    DEAD_LETTERING = "dead_lettering"
+    DEAD_LETTERED = "dead_lettered"
+    REPLAYED = "replayed"
+    #: Revoked or expired before its body started; never runs.
+    NOT_RUN = "not_run"
+
+
+class Ending(Choice):
+    """How an attempt that may be followed by another one ended (counted per entry)."""
+
+    __choice_name__ = "an attempt ending"
+
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    REQUESTED = "requested"
+
+    @property
+    def counter(self) -> str:
+        """The journal field that counts these endings."""
+        return f"ended_{self.value}"
+
+
+class Verdict(Choice):
+    """What ``begin_attempt`` decided for a delivery (the first item of its answer)."""
+
+    __choice_name__ = "a begin verdict"
+
+    STARTED = "started"
+    DONE = "done"
+    DEAD_LETTERED = "dead_lettered"
+    DEAD_LETTERING = "dead_lettering"
+    OWNED = "owned"
+    INTERRUPTED = "interrupted"
+    NOT_RUN = "not_run"
+    EXHAUSTED = "exhausted"
+
+
+S = JournalState
+
+#: Where an entry ends: a later delivery is acknowledged without running.
+SETTLED = frozenset({S.SUCCEEDED, S.DEAD_LETTERED, S.NOT_RUN})
+#: What a read-only store (it answers reads, refuses writes) may show to
+#: acknowledge a delivery without running it.
+ENDED = frozenset({S.SUCCEEDED, S.DEAD_LETTERED})
+
+#: A failed or retried attempt is recorded only by its running owner.
+SETTLE_FROM = frozenset({S.RUNNING})
+#: Success is also recorded when the entry vanished under its owner (a store
+#: restarted without persistence, an evicted key): only the owner knows how
+#: the write ended, and recording it keeps a redelivery from running it again.
+SUCCEED_FROM = frozenset({S.RUNNING, S.ABSENT})
+#: A dead letter may be begun from these; ``running`` only by its owner.
+DEAD_LETTER_FROM = frozenset(
+    {S.ABSENT, S.RUNNING, S.RETRY_SCHEDULED, S.INTERRUPTED, S.REPLAYED, S.FAILED}
+)
+#: ... and without the owner token a running attempt is someone else's.
+DEAD_LETTER_UNOWNED_FROM = DEAD_LETTER_FROM - {S.RUNNING}
+#: A dead letter begun and not finished is finished from here only.
+FINISH_DEAD_LETTER_FROM = frozenset({S.DEAD_LETTERING})
+#: A worker that lost the pool child running the attempt says so.
+INTERRUPT_FROM = frozenset({S.RUNNING})
+#: A revoked or expired task ends without running from these: no attempt of
+#: it runs now (an interrupted NON_IDEMPOTENT_WRITE becomes a dead letter
+#: instead, as its next delivery would make it).
+NOT_RUN_FROM = frozenset({S.ABSENT, S.RETRY_SCHEDULED, S.REPLAYED, S.INTERRUPTED})
+NOT_RUN_UNSAFE_FROM = NOT_RUN_FROM - {S.INTERRUPTED}
+#: An operator's replay starts from these (``absent``: no entry, or it expired).
+REPLAY_FROM = frozenset({S.ABSENT, S.DEAD_LETTERED, S.DEAD_LETTERING, S.INTERRUPTED, S.REPLAYED})
+#: ... and, for an IDEMPOTENT_WRITE, from ``succeeded`` (running it again is safe).
+REPLAY_IDEMPOTENT_FROM = REPLAY_FROM | {S.SUCCEEDED}
+#: ``begin_attempt`` starts an attempt from these (``running`` only when its
+#: lease lapsed; ``interrupted`` only for a write that may run twice); the
+#: others answer a verdict without running.
+BEGIN_FROM = frozenset(
+    {S.ABSENT, S.RUNNING, S.RETRY_SCHEDULED, S.INTERRUPTED, S.REPLAYED, S.FAILED}
+)
+
+#: Every move, as the state it goes to and the states it may come from: the
+#: diagram above, checked against the sets by ``tests/test_states.py``.
+TRANSITIONS: dict[JournalState, frozenset[JournalState]] = {
+    S.RUNNING: BEGIN_FROM,
+    S.SUCCEEDED: SUCCEED_FROM,
+    S.RETRY_SCHEDULED: SETTLE_FROM,
+    S.FAILED: SETTLE_FROM,
+    S.INTERRUPTED: INTERRUPT_FROM,
+    S.DEAD_LETTERING: DEAD_LETTER_FROM,
+    S.DEAD_LETTERED: FINISH_DEAD_LETTER_FROM,
+    S.NOT_RUN: NOT_RUN_FROM,
+    # replay.lua also takes a running entry whose lease lapsed (see above).
+    S.REPLAYED: REPLAY_IDEMPOTENT_FROM | {S.RUNNING},
+}
+
+
+def allowed_argument(states: frozenset[JournalState]) -> str:
+    """``states`` as a script's ARGV takes them: values joined by spaces, sorted."""
+    return " ".join(sorted(state.value for state in states))

@@ -1,0 +1,623 @@
+"""How one call of a tool runs: the protocol ``ToolTask.__call__`` hands over to.
+
+``ToolTask`` declares a tool; this module runs it, as Celery's ``app/trace.py``
+runs a ``Task``. For a write, in this order: secure the lease, record the
+intent (or do not run), run the body under a heartbeat, record the outcome (or
+fail closed). For a failure: classify it with the original exception, then
+retry, dead-letter or (interactive runs) raise.
+
+Every way a call ends early is an exception: Celery's ``Ignore`` (acknowledge,
+nothing to store), ``Retry`` (published again), ``Reject(requeue=True)``
+(keep the message), and the package's ``DeadLettered`` (carries the letter to
+the worker's main process, which stores it with the message) and
+``LeaseLost`` (forget the delivery). The methods that decide an ending
+*return* it and the caller raises it, so every ``raise`` of the protocol is
+visible where the decision is taken.
+
+Interactive runs (``apply()``, eager mode, a direct call) are journalled like
+queued ones but never retried and never rejected: they raise, and settle
+FAILURE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any, Protocol
+
+from celery.app.task import Context
+from celery.exceptions import Ignore, Reject, Retry
+
+from ..effect import ToolEffect
+from ..errors import (
+    AttemptInProgress,
+    AuditPersistenceFailed,
+    EffectRelabelRefused,
+    IntentNotRecorded,
+    InterruptedWrite,
+    LeaseLost,
+    LeaseNotSecured,
+    RetriesExhausted,
+    StoreUnavailable,
+)
+from ..failures import FailureClass
+from ..store import states
+from ..store.audit import describe_payload
+from ..store.dead_letters import DeadLetterReason
+from ..store.journal import Begin
+from ..store.leases import LeaseVerdict
+from ..store.runtime import ToolRuntime
+from ..store.states import Ending, JournalState, Verdict
+from .attempt import FORGED_FIELD, TOKEN_FIELD, Attempt, forged_headers, new_token
+from .heartbeat import Heartbeat, LeasePlan, heartbeat_interval
+from .letters import begin_dead_letter, build_letter
+from .retries import REQUESTED_EXHAUSTED_MARK, RetryPolicy, exhausted_text
+from .signals import AUDITED_MARK
+
+logger = logging.getLogger(__name__)
+
+
+class Tool(Protocol):
+    """What the protocol reads of a tool (``ToolTask`` provides it)."""
+
+    name: str
+    request: Context
+    operation_deadline: float | None
+
+    @property
+    def tool_effect(self) -> ToolEffect: ...
+
+    @property
+    def retry_policy(self) -> RetryPolicy: ...
+
+    @property
+    def runtime(self) -> ToolRuntime: ...
+
+    def signature_from_request(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def run(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def tool_body(tool: Tool) -> Any:
+    """The tool's own ``run``, without Celery's ``autoretry_for`` wrapper.
+
+    ``@app.task(autoretry_for=...)`` wraps ``run`` to call ``self.retry()``
+    (celery/app/autoretry.py) and keeps the original as ``_orig_run``; a
+    tool's retries are decided by its
+    :class:`~celery_tooleffect.worker.retries.RetryPolicy` instead, which
+    reads the same options and spends the tool's one budget.
+    """
+    return tool.__dict__.get("_orig_run") or tool.run
+
+
+def run_signature(tool: Tool) -> inspect.Signature:
+    """The signature of the bound body (``bind=True`` tools do not count ``self``)."""
+    # Kept in the instance's own __dict__: each registered tool is its own
+    # instance, and a subclass tool must not find its parent's.
+    signature = tool.__dict__.get("_signature")
+    if signature is None:
+        signature = inspect.signature(tool_body(tool))
+        tool.__dict__["_signature"] = signature
+    return signature
+
+
+def run_tool(tool: Tool, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run one call of ``tool``: its result, or the exception that ends it."""
+    return Execution(tool, request, args, kwargs).run()
+
+
+class Execution:
+    """One attempt of one tool call, from the message check to its ending."""
+
+    def __init__(
+        self, tool: Tool, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        self.tool = tool
+        self.request = request
+        self.args = args
+        self.kwargs = kwargs
+        self.runtime = tool.runtime
+        self.policy = tool.retry_policy
+        fields = vars(request)
+        self.attempt = Attempt.of(
+            fields,
+            task_id=str(request.id),
+            name=tool.name,
+            effect=tool.tool_effect,
+            delivery_info=request.delivery_info,
+            default_queue=self.runtime.settings.default_queue,
+            token=str(fields.get(TOKEN_FIELD) or new_token()),
+            interactive=bool(request.is_eager or request.called_directly),
+            retries=int(request.retries or 0),
+        )
+
+    @property
+    def label(self) -> str:
+        return f"{self.tool.name}[{self.attempt.task_id}]"
+
+    def run(self) -> Any:
+        self._check_message()
+        if not self.attempt.effect.is_write:
+            return self._run_read_only()
+        return self._run_write()
+
+    def _check_message(self) -> None:
+        """Refuse forged headers and arguments the tool cannot take, before anything runs."""
+        # Queued messages were checked by the worker's main process; an
+        # interactive call carries its headers on the request.
+        checked = getattr(self.request, FORGED_FIELD, None)
+        forged = list(checked) if checked is not None else forged_headers(
+            _message_headers(self.request)
+        )
+        problem: BaseException | None = None
+        if forged:
+            problem = EffectRelabelRefused(
+                f"message sets reserved header(s) {', '.join(forged)}; "
+                "a producer may set only tooleffect_run_id"
+            )
+        else:
+            try:
+                run_signature(self.tool).bind(*self.args, **self.kwargs)
+            except TypeError as exc:
+                problem = TypeError(f"{self.tool.name}: invalid arguments: {exc}")
+        if problem is None:
+            return
+        if self.attempt.interactive:
+            raise problem
+        raise self._dead_letter(
+            DeadLetterReason.MALFORMED_MESSAGE, problem, FailureClass.CLIENT_ERROR,
+            owned=False, attempts=0, journalled=False,
+        )
+
+    # -- the two protocols ---------------------------------------------------
+
+    def _run_read_only(self) -> Any:
+        attempt, runtime = self.attempt, self.runtime
+        number = attempt.retries + 1
+        started = time.monotonic()
+        try:
+            result = tool_body(self.tool)(*self.args, **self.kwargs)
+        except Retry as requested:
+            runtime.audit.record_step(_requested_retry_event(attempt, number, requested))
+            raise
+        except (Ignore, Reject):
+            raise
+        except Exception as exc:
+            failure_class = runtime.classifier.classify(exc)
+            runtime.audit.record_step(
+                attempt.context.event(
+                    "outcome", "failed", attempt=number, duration_ms=_ms_since(started),
+                    exception=exc, failure_class=failure_class.value,
+                    payload=self._payload(error=exc),
+                )
+            )
+            raise self._after_failure(exc, failure_class, number)
+        runtime.audit.record_step(
+            attempt.context.event(
+                "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
+                payload=self._payload(result=result),
+            )
+        )
+        return result
+
+    def _run_write(self) -> Any:
+        attempt, runtime = self.attempt, self.runtime
+        plan = self._lease_plan()
+        begin = self._begin(plan)
+        number = begin.attempt
+        started = time.monotonic()
+        try:
+            try:
+                with self._heartbeat(plan):
+                    result = tool_body(self.tool)(*self.args, **self.kwargs)
+            except BaseException:
+                # The intent's global-stream copy normally rides with the
+                # outcome (one round trip less); on a failure it goes alone.
+                if begin.intent_event is not None:
+                    runtime.audit.copy_to_global(begin.intent_event)
+                raise
+        except Retry as requested:
+            # The tool called self.retry(): the attempt ends here, by choice.
+            self._settle(
+                JournalState.RETRY_SCHEDULED,
+                _requested_retry_event(attempt, number, requested),
+                cause=requested, ending=Ending.REQUESTED,
+            )
+            raise
+        except (Ignore, Reject):
+            raise
+        except Exception as exc:
+            failure_class = runtime.classifier.classify(exc)
+            raise self._after_failure(exc, failure_class, number, duration_ms=_ms_since(started))
+        event = attempt.context.event(
+            "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
+            payload=self._payload(result=result),
+        )
+        try:
+            # SUCCEED_FROM includes 'absent': see its comment.
+            moved = runtime.journal.transition(
+                attempt.ref, new_state=JournalState.SUCCEEDED,
+                allowed=states.SUCCEED_FROM, token=attempt.token, event=event,
+                earlier_copy=begin.intent_event,
+            )
+        except StoreUnavailable as store_down:
+            failed = AuditPersistenceFailed(
+                f"{self.label} ran, but its outcome could not be recorded: {store_down}",
+                body_completed=True,
+            )
+            if attempt.interactive:
+                raise failed from store_down
+            raise self._dead_letter(
+                DeadLetterReason.NOT_RETRYABLE, failed, FailureClass.UNKNOWN,
+                owned=True, attempts=number, body_completed=True,
+                outcome_event=attempt.context.event(
+                    "outcome", "audit_failed", attempt=number, exception=failed,
+                    failure_class=FailureClass.UNKNOWN.value,
+                ),
+            )
+        if not moved:
+            # Another delivery owns the entry now; the outcome was stored as a
+            # late_outcome, and the dead letter (if any) gets a copy of it.
+            runtime.dead_letters.record_late_outcome(attempt.task_id, event)
+            if not attempt.interactive:
+                raise LeaseLost(f"{self.label} finished after losing its lease")
+        return result
+
+    # -- before the body -------------------------------------------------------
+
+    def _lease_plan(self) -> LeasePlan:
+        """Secure the broker lease for the deadline, before anything is recorded.
+
+        On Redis, a write without an ``operation_deadline`` has the visibility
+        timeout as its journal lease and nothing is extended: the message comes
+        back after it, as with plain Celery. A broker without a visibility
+        timeout (RabbitMQ) gives a message back as soon as its holder's channel
+        closes, so there every write heartbeats a short journal lease (three
+        intervals), with or without a deadline: a redelivery after its owner
+        died is settled within one journal lease.
+        """
+        attempt, runtime = self.attempt, self.runtime
+        settings = runtime.settings
+        now = time.time()
+        deadline = self.tool.operation_deadline
+        if not deadline:
+            if settings.broker_is_redis:
+                return LeasePlan(journal_lease_end=now + settings.visibility_timeout)
+            interval = heartbeat_interval(settings, None)
+            return LeasePlan(journal_lease_end=now + 3 * interval, interval=interval)
+        deadline_end = now + float(deadline)
+        interval = heartbeat_interval(settings, float(deadline))
+        plan = LeasePlan(
+            journal_lease_end=min(now + 3 * interval, deadline_end),
+            deadline_end=deadline_end,
+            interval=interval,
+        )
+        lease = (
+            None if attempt.interactive
+            else runtime.leases.broker_lease(self.request.properties)
+        )
+        if lease is None:
+            return plan
+        verdict = runtime.leases.extend_lease(lease, deadline_end)
+        if verdict is LeaseVerdict.OK:
+            return replace(plan, broker_lease=lease)
+        runtime.audit.record_step(
+            attempt.context.event("lease_refused", verdict.value, lease_until=f"{deadline_end:.3f}")
+        )
+        if verdict is LeaseVerdict.LOST:
+            # The message was restored: its other copy will run. Acknowledging
+            # ours would delete that copy's lease (the delivery tag is shared).
+            raise LeaseLost(f"{self.label}: message restored before it began")
+        not_secured = LeaseNotSecured(f"{self.label} not run: lease not secured ({verdict.value})")
+        raise self._after_failure(
+            not_secured, FailureClass.CONNECTION, attempt.retries + 1, body_started=False,
+        )
+
+    def _heartbeat(self, plan: LeasePlan) -> contextlib.AbstractContextManager[Any]:
+        """The heartbeat of a write whose plan has one; nothing for the others."""
+        if plan.interval is None:
+            return contextlib.nullcontext()
+        attempt, runtime = self.attempt, self.runtime
+
+        def lease_failed(why: str) -> None:
+            logger.warning("%s: lease extension failed (%s)", self.label, why)
+            runtime.audit.record_step(attempt.context.event("lease_extension_failed", why))
+
+        return Heartbeat(
+            journal=runtime.journal, ref=attempt.ref, token=attempt.token,
+            leases=runtime.leases, broker_lease=plan.broker_lease,
+            deadline_end=plan.deadline_end, interval=plan.interval, on_failure=lease_failed,
+        )
+
+    def _begin(self, plan: LeasePlan) -> Begin:
+        """Record the intent of a write, or end this delivery without running it."""
+        attempt, runtime = self.attempt, self.runtime
+        lease_note = {} if plan.broker_lease is None else {
+            "lease_until": f"{plan.deadline_end:.3f}"
+        }
+        try:
+            begin = runtime.journal.begin_attempt(
+                attempt.ref,
+                token=attempt.token,
+                effect=attempt.effect.value,
+                lease_end=plan.journal_lease_end,
+                attempts_allowed=self.policy.attempts_allowed,
+                event=attempt.context.event(
+                    "intent", "started", payload={**self._payload(), **lease_note},
+                ),
+            )
+        except StoreUnavailable as store_down:
+            failed = IntentNotRecorded(
+                f"{self.label} not run: its intent could not be recorded: {store_down}"
+            )
+            if attempt.interactive:
+                raise failed from store_down
+            if _already_ended(runtime, attempt) or _already_dead_lettered(runtime, attempt):
+                logger.warning("%s delivered again after it ended; acknowledged without "
+                               "running (not audited: %s)", self.label, store_down)
+                raise Ignore() from None
+            raise self._after_failure(
+                failed, FailureClass.CONNECTION, attempt.retries + 1, body_started=False,
+            )
+
+        verdict = begin.verdict
+        if verdict is Verdict.STARTED:
+            return begin
+        if verdict in (Verdict.DONE, Verdict.DEAD_LETTERED, Verdict.NOT_RUN):
+            raise Ignore()
+        if verdict is Verdict.OWNED:
+            raise self._come_back_later(begin)
+        if verdict is Verdict.DEAD_LETTERING:
+            raise self._finish_dead_letter(begin)
+        if verdict is Verdict.INTERRUPTED:
+            raise self._dead_letter(
+                DeadLetterReason.INTERRUPTED_WRITE,
+                InterruptedWrite(
+                    f"{self.label} started and never finished; "
+                    "a non-idempotent write is never run twice"
+                ),
+                FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
+            )
+        # Verdict.EXHAUSTED: earlier attempts spent the retry budget (the
+        # journal counted how they ended).
+        raise self._dead_letter(
+            DeadLetterReason.RETRIES_EXHAUSTED,
+            RetriesExhausted(exhausted_text(
+                self.tool.name, attempt.task_id, attempts=begin.attempt,
+                budget=self.policy.budget, endings=begin.endings or {},
+            )),
+            FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
+        )
+
+    # -- endings: each returns the exception that ends the call ----------------
+
+    def _after_failure(
+        self,
+        exc: Exception,
+        failure_class: FailureClass,
+        number: int,
+        *,
+        body_started: bool = True,
+        duration_ms: float | None = None,
+    ) -> BaseException:
+        """Retry, dead-letter or (interactive) re-raise ``exc``: the exception to raise."""
+        attempt = self.attempt
+        journalled = attempt.effect.is_write and body_started
+        outcome = attempt.context.event(
+            "outcome", "failed", attempt=number, duration_ms=duration_ms, exception=exc,
+            failure_class=failure_class.value, payload=self._payload(error=exc),
+        )
+        if attempt.interactive:
+            if journalled:
+                self._settle(JournalState.FAILED, outcome, cause=exc)
+            exc.__dict__.setdefault("failure_class", failure_class.value)
+            setattr(exc, AUDITED_MARK, True)
+            return exc
+        requested_limit = exc.__dict__.get(REQUESTED_EXHAUSTED_MARK)
+        if requested_limit is not None:
+            # self.retry() found the budget spent and raised the tool's error.
+            spent = RetriesExhausted(
+                f"{self.label} asked for a retry (self.retry()) after "
+                f"{attempt.retries} retries; its retry budget of {requested_limit} is spent. "
+                f"Last error: {type(exc).__name__}: {exc}"
+            )
+            return self._dead_letter(
+                DeadLetterReason.RETRIES_EXHAUSTED, spent, failure_class,
+                owned=journalled, attempts=number, outcome_event=outcome,
+            )
+        decision = self.policy.after_failure(
+            exc, failure_class, retries=attempt.retries, attempt=number,
+            body_started=body_started,
+        )
+        if decision.retry:
+            if journalled:
+                retrying = dict(outcome, status="retrying", countdown=f"{decision.countdown:g}")
+                try:
+                    self._settle(JournalState.RETRY_SCHEDULED, retrying, cause=exc,
+                                 ending=Ending.FAILED)
+                except AuditPersistenceFailed as lost:
+                    return self._dead_letter(
+                        DeadLetterReason.NOT_RETRYABLE, lost, FailureClass.UNKNOWN,
+                        owned=True, attempts=number,
+                    )
+            return self._publish_retry(exc, decision.countdown)
+        reason = (DeadLetterReason.RETRIES_EXHAUSTED if decision.exhausted
+                  else DeadLetterReason.NOT_RETRYABLE)
+        return self._dead_letter(
+            reason, exc, failure_class, owned=journalled, attempts=number,
+            outcome_event=outcome,
+        )
+
+    def _settle(
+        self, state: JournalState, event: Mapping[str, str], *,
+        cause: Exception, ending: Ending | None = None,
+    ) -> None:
+        """Record a failed attempt's outcome; fail closed when it cannot be stored."""
+        attempt = self.attempt
+        try:
+            moved = self.runtime.journal.transition(
+                attempt.ref, new_state=state, allowed=states.SETTLE_FROM,
+                token=attempt.token, event=event, ending=ending,
+            )
+        except StoreUnavailable as store_down:
+            raise AuditPersistenceFailed(
+                f"{self.label} failed ({type(cause).__name__}) and its "
+                f"outcome could not be recorded: {store_down}"
+            ) from cause
+        if not moved and not attempt.interactive:
+            raise LeaseLost(f"{self.label} failed after losing its lease")
+
+    def _publish_retry(self, exc: Exception, countdown: float) -> BaseException:
+        """Publish the retry: Celery's ``Retry``, or, when the publish fails, a
+        ``Reject`` that keeps the message (never a deleting one)."""
+        request = self.request
+        signature = self.tool.signature_from_request(
+            request, countdown=countdown, retries=int(request.retries or 0) + 1
+        )
+        try:
+            signature.apply_async()
+        except Exception as publish_failed:
+            logger.error("retry of %s not published, requeueing: %s", self.label, publish_failed)
+            return _caused(Reject(publish_failed, requeue=True), exc)
+        retry: BaseException = Retry(exc=exc, when=countdown, sig=signature)
+        return retry
+
+    def _come_back_later(self, begin: Begin) -> BaseException:
+        """A live owner runs this task: republish for when its lease ends."""
+        attempt, settings = self.attempt, self.runtime.settings
+        wait = max(begin.owner_lease_end - time.time(), 0.0) + 1.0
+        if settings.broker_is_redis:
+            # A countdown longer than the visibility timeout would be restored
+            # while it waits; come back sooner and look again.
+            wait = min(wait, 0.8 * settings.visibility_timeout)
+        else:
+            # RabbitMQ closes the channel of a consumer that holds a message
+            # unacknowledged past consumer_timeout (the waiting copy is held
+            # so until its countdown ends): come back well before.
+            wait = min(wait, 0.25 * settings.rabbitmq_consumer_timeout)
+        if attempt.interactive:
+            return AttemptInProgress(f"{self.label} is running elsewhere for {wait:.0f}s more")
+        signature = self.tool.signature_from_request(self.request, countdown=wait)
+        try:
+            signature.apply_async()
+        except Exception as publish_failed:
+            kept: BaseException = Reject(publish_failed, requeue=True)
+            return kept
+        self.runtime.audit.record_step(
+            attempt.context.event("deferred", "owned_elsewhere", countdown=f"{wait:.1f}")
+        )
+        acknowledged: BaseException = Ignore()
+        return acknowledged
+
+    def _finish_dead_letter(self, begin: Begin) -> BaseException:
+        """A dead letter was begun but not finished: finish it with its recorded reason."""
+        journal = self.runtime.journal.read(self.attempt.ref)
+        try:
+            reason = DeadLetterReason(journal.get("reason", ""))
+        except ValueError:
+            reason = DeadLetterReason.NOT_RETRYABLE
+        failure_class = FailureClass.coerce(journal.get("failure_class") or "unknown")
+        pending = AuditPersistenceFailed(
+            f"{self.label}: finishing a dead letter begun earlier "
+            f"({journal.get('exception_type', '')})",
+            body_completed=journal.get("body_completed") == "1",
+        )
+        return self._dead_letter(
+            reason, pending, failure_class, owned=False, attempts=begin.attempt,
+            body_completed=pending.body_completed, allowed=states.FINISH_DEAD_LETTER_FROM,
+        )
+
+    def _dead_letter(
+        self,
+        reason: DeadLetterReason,
+        exc: BaseException,
+        failure_class: FailureClass,
+        *,
+        owned: bool,
+        attempts: int,
+        body_completed: bool = False,
+        outcome_event: Mapping[str, str] | None = None,
+        allowed: frozenset[JournalState] | None = None,
+        journalled: bool = True,
+    ) -> BaseException:
+        """Decide the dead letter of a queued run (``exc`` itself for an interactive one).
+
+        The journal moves to ``dead_lettering`` here; the ``DeadLettered``
+        returned carries the letter to the worker's main process, which holds
+        the message: ``ToolRequest`` stores it with the message as delivered,
+        then rejects the message (see :mod:`celery_tooleffect.worker.letters`).
+        """
+        attempt = self.attempt
+        if attempt.interactive:
+            return exc
+        letter = build_letter(
+            attempt, reason=reason, failure_class=failure_class, exc=exc,
+            attempts=attempts, body_completed=body_completed,
+        )
+        event = outcome_event or attempt.context.event(
+            "outcome", reason.value, attempt=attempts or None, exception=exc,
+            failure_class=failure_class.value,
+        )
+        rejection = begin_dead_letter(
+            self.runtime, attempt, letter, outcome_event=event, owned=owned, exc=exc,
+            allowed=allowed, journalled=journalled and attempt.effect.is_write,
+        )
+        return _caused(rejection, exc)
+
+    def _payload(self, **values: Any) -> dict[str, str]:
+        """The call's arguments (and ``values``) as the privacy setting allows."""
+        return describe_payload(
+            self.runtime.settings.privacy, args=self.args, kwargs=self.kwargs, **values
+        )
+
+
+def _requested_retry_event(attempt: Attempt, number: int, requested: Retry) -> dict[str, str]:
+    """The audit event of a retry the tool asked for (``self.retry()``)."""
+    cause = requested.exc if isinstance(requested.exc, BaseException) else None
+    event = attempt.context.event("outcome", "retrying", attempt=number, exception=cause,
+                                  requested="1")
+    if isinstance(requested.when, (int, float)):
+        event["countdown"] = f"{requested.when:g}"
+    return event
+
+
+def _caused(ending: BaseException, cause: BaseException) -> BaseException:
+    """``ending`` as ``raise ending from cause`` leaves it."""
+    ending.__cause__ = cause
+    ending.__suppress_context__ = True
+    return ending
+
+
+def _message_headers(request: Context) -> Mapping[str, Any]:
+    headers = getattr(request, "headers", None)
+    return headers if isinstance(headers, Mapping) else {}
+
+
+def _already_ended(runtime: ToolRuntime, attempt: Attempt) -> bool:
+    """Whether the journal, read when it cannot be written, says the task ended.
+
+    A store that refuses writes (out of memory, read-only replica, ACL) still
+    answers reads: a delivery of a task that succeeded or was dead-lettered is
+    then acknowledged without running, as it is when the store is healthy,
+    instead of being retried until its budget is spent and dead-lettered.
+    """
+    try:
+        state = runtime.journal.read(attempt.ref).get("state")
+    except StoreUnavailable:
+        return False
+    return state in states.ENDED
+
+
+def _already_dead_lettered(runtime: ToolRuntime, attempt: Attempt) -> bool:
+    try:
+        return runtime.dead_letters.exists(attempt.task_id)
+    except StoreUnavailable:
+        return False
+
+
+def _ms_since(started: float) -> float:
+    return (time.monotonic() - started) * 1000.0
