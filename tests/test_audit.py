@@ -9,7 +9,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, ToolEffect, ToolTask
-from celery_tooleffect.store.audit import EVENT_FIELDS
+from celery_tooleffect.events import EVENT_FIELDS
 from tests.conftest import RedisServer, running_worker
 
 SECRET = "card-4111-1111-1111-1111"
@@ -52,7 +52,7 @@ def test_events_carry_the_contract_fields(make_app: Callable[..., Celery]) -> No
         result = charge.delay("c", 100)
         result.get(timeout=20)
     intent, outcome = AuditLog(app).events(result.id)
-    required = set(EVENT_FIELDS) - {"duration_ms", "failure_class", "exception_type"}
+    required = (set(EVENT_FIELDS) | {"seq"}) - {"duration_ms", "failure_class", "exception_type"}
     assert required <= set(intent) and required <= set(outcome)
     assert outcome["duration_ms"] and float(outcome["duration_ms"]) >= 0
     assert intent["attempt"] == outcome["attempt"] == "1"

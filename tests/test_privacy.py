@@ -148,7 +148,7 @@ def test_the_cli_listing_keeps_the_secret_out(
 ) -> None:
     from click.testing import CliRunner
 
-    from celery_tooleffect import cli
+    from celery_tooleffect.admin import cli
 
     app = make_app()
     run_every_ending(app, main_redis)

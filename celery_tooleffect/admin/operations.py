@@ -45,18 +45,19 @@ Privacy
 from __future__ import annotations
 
 import contextlib
-import enum
 import getpass
 import os
 import socket
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ..choices import Choice
 from ..effect import ToolEffect
 from ..errors import StoreUnavailable, ToolEffectError
+from ..events import AuditEvent
 from ..store import states
 from ..store.audit import MASK, describe_payload, worker_identity
 from ..store.chords import chord_member, chord_refusal
@@ -98,8 +99,10 @@ def default_actor() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-class Outcome(str, enum.Enum):
+class Outcome(Choice):
     """How one operator action on one letter ended."""
+
+    __choice_name__ = "an action outcome"
 
     DONE = "done"
     REFUSED = "refused"
@@ -458,8 +461,8 @@ class DeadLetterOperations:
                 raise ChordEnded(closed)
             publish(self.app, letter, mark=f"{time.time():.6f} {actor}")
         except Exception as exc:
-            failed = dict(event, phase="replay_failed", status="not_published",
-                          exception_type=type(exc).__qualname__)
+            failed = replace(event.amended(phase="replay_failed", status="not_published"),
+                             exception_type=type(exc).__qualname__)
             if effect.is_write:
                 # Best effort: were it left 'replayed', no message would come anyway.
                 with contextlib.suppress(StoreUnavailable):
@@ -537,25 +540,24 @@ class DeadLetterOperations:
     def _event(
         self, letter: DeadLetter, phase: str, status: str, *, actor: str, reason: str,
         force: bool, via: str,
-    ) -> dict[str, str]:
-        return {
-            "run_id": _run_id(letter),
-            "task_id": letter.task_id,
-            "tool": letter.name,
-            "effect": letter.effect,
-            "phase": phase,
-            "status": status,
-            "queue": letter.queue,
-            "worker": worker_identity(),
-            "redelivered": "0",
-            "actor": actor,
-            "reason": reason.strip()[:REASON_LIMIT],
-            "forced": "1" if force else "0",
-            "via": via,
-            "dead_letter_reason": letter.reason,
-            "failure_class": letter.failure_class,
-            "ts": f"{time.time():.6f}",
-        }
+    ) -> AuditEvent:
+        """The audit event of an operator's action on ``letter``."""
+        return AuditEvent.of(
+            run_id=_run_id(letter),
+            task_id=letter.task_id,
+            tool=letter.name,
+            effect=letter.effect,
+            phase=phase,
+            status=status,
+            worker=worker_identity(),
+            queue=letter.queue,
+            failure_class=letter.failure_class,
+            actor=actor,
+            reason=reason.strip()[:REASON_LIMIT],
+            forced=force,
+            via=via,
+            dead_letter_reason=letter.reason,
+        )
 
     @staticmethod
     def _result(letter: DeadLetter, action: str, outcome: Outcome, message: str) -> ActionResult:

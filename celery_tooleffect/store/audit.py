@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import socket
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from ..effect import ToolEffect
+from ..events import AuditEvent
 from ..settings import Settings, settings_for
-from ..store.connections import Command, one_round_trip, redis_client
-from ..store.keys import Keys, unescape_hash_tag
-from ..store.lua import script
+from .connections import Command, one_round_trip, redis_client
+from .keys import Keys, unescape_hash_tag
+from .lua import script
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -43,26 +43,6 @@ logger = logging.getLogger(__name__)
 
 MASK = "***"
 FULL_VALUE_LIMIT = 64 * 1024
-
-#: The fields every event carries, in the contract's order.
-EVENT_FIELDS = (
-    "run_id",
-    "task_id",
-    "seq",
-    "tool",
-    "effect",
-    "phase",
-    "status",
-    "attempt",
-    "worker",
-    "queue",
-    "redelivered",
-    "duration_ms",
-    "failure_class",
-    "exception_type",
-    "ts",
-)
-
 
 def worker_identity() -> str:
     """``hostname:pid`` of this process."""
@@ -140,34 +120,29 @@ class StepContext:
         attempt: int | None = None,
         duration_ms: float | None = None,
         exception: BaseException | None = None,
+        exception_type: str | None = None,
         failure_class: str | None = None,
         payload: Mapping[str, str] | None = None,
-        **extra: str,
-    ) -> dict[str, str]:
-        """One event of this attempt, as the flat string fields a stream holds."""
-        fields = {
-            "run_id": self.run_id,
-            "task_id": self.task_id,
-            "tool": self.tool,
-            "effect": self.effect.value,
-            "phase": phase,
-            "status": status,
-            "worker": self.worker,
-            "queue": self.queue,
-            "redelivered": "1" if self.redelivered else "0",
-            "ts": f"{time.time():.6f}",
-        }
-        if attempt is not None:
-            fields["attempt"] = str(attempt)
-        if duration_ms is not None:
-            fields["duration_ms"] = f"{duration_ms:.3f}"
-        if failure_class is not None:
-            fields["failure_class"] = str(failure_class)
-        if exception is not None:
-            fields["exception_type"] = type(exception).__qualname__
-        fields.update(payload or {})
-        fields.update(extra)
-        return fields
+        **details: Any,
+    ) -> AuditEvent:
+        """One event of this attempt; ``payload`` and ``details`` are its details."""
+        return AuditEvent.of(
+            run_id=self.run_id,
+            task_id=self.task_id,
+            tool=self.tool,
+            effect=self.effect,
+            phase=phase,
+            status=status,
+            worker=self.worker,
+            queue=self.queue,
+            redelivered=self.redelivered,
+            attempt=attempt,
+            duration_ms=duration_ms,
+            failure_class=failure_class,
+            exception=exception,
+            exception_type=exception_type,
+            **{**(payload or {}), **details},
+        )
 
 
 def flatten(fields: Mapping[str, Any]) -> list[str]:
@@ -217,7 +192,6 @@ class AuditLog:
     """Reads and appends a run's audit events."""
 
     def __init__(self, app: Celery, settings: Settings | None = None) -> None:
-        self.app = app
         self.settings = settings or settings_for(app)
         self.keys = Keys(self.settings.key_prefix)
 
@@ -226,7 +200,7 @@ class AuditLog:
         return redis_client(self.settings.redis_url, self.settings.socket_timeout,
                             cluster=self.settings.redis_cluster)
 
-    def record_step(self, event: Mapping[str, Any]) -> bool:
+    def record_step(self, event: AuditEvent) -> bool:
         """Append ``event`` to its run's stream. Never raises; True if stored.
 
         The copy to the global stream travels in the same round trip.
@@ -252,7 +226,7 @@ class AuditLog:
         return ("XADD", self.keys.global_events, "MAXLEN", "~",
                 self.settings.global_stream_maxlen, "*", *fields)
 
-    def copy_to_global(self, event: Mapping[str, Any]) -> None:
+    def copy_to_global(self, event: AuditEvent) -> None:
         """Copy an event to the global stream used for tailing. Best effort."""
         try:
             one_round_trip(self.client, [self.global_copy(flatten(event))])

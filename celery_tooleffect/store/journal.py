@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import redis
 
 from ..errors import StoreUnavailable
+from ..events import AuditEvent
 from ..settings import Settings
 from .audit import AuditLog, flatten, text
 from .keys import Keys
@@ -37,7 +38,7 @@ class Begin:
     detail: str
     #: For STARTED: the intent event, whose copy to the global stream is left
     #: to travel with the attempt's outcome (see ``Journal.transition``).
-    intent_event: Mapping[str, str] | None = None
+    intent_event: AuditEvent | None = None
     #: For EXHAUSTED: how the earlier attempts ended.
     endings: Mapping[Ending, int] | None = None
 
@@ -95,7 +96,7 @@ class Journal:
         effect: str,
         lease_end: float,
         attempts_allowed: int,
-        event: Mapping[str, str],
+        event: AuditEvent,
     ) -> Begin:
         """Record the intent of an attempt, or say why this delivery must not run.
 
@@ -146,11 +147,11 @@ class Journal:
         *,
         new_state: JournalState,
         allowed: frozenset[JournalState],
-        event: Mapping[str, str],
+        event: AuditEvent,
         token: str = "",
         fields: Mapping[str, str] | None = None,
         record_late: bool = True,
-        earlier_copy: Mapping[str, str] | None = None,
+        earlier_copy: AuditEvent | None = None,
         ending: Ending | None = None,
     ) -> Transition:
         """Move the entry to ``new_state`` and store ``event``, atomically.
@@ -248,7 +249,7 @@ class Journal:
         token: str,
         effect: str,
         allowed: frozenset[JournalState],
-        event: Mapping[str, str],
+        event: AuditEvent,
         refuse_late_outcome: bool,
         lapsed_running_ok: bool = False,
     ) -> Replay:

@@ -44,6 +44,7 @@ from ..errors import (
     RetriesExhausted,
     StoreUnavailable,
 )
+from ..events import AuditEvent
 from ..failures import FailureClass
 from ..store import states
 from ..store.audit import describe_payload
@@ -435,7 +436,7 @@ class Execution:
         )
         if decision.retry:
             if journalled:
-                retrying = dict(outcome, status="retrying", countdown=f"{decision.countdown:g}")
+                retrying = outcome.amended(status="retrying", countdown=decision.countdown)
                 try:
                     self._settle(JournalState.RETRY_SCHEDULED, retrying, cause=exc,
                                  ending=Ending.FAILED)
@@ -453,7 +454,7 @@ class Execution:
         )
 
     def _settle(
-        self, state: JournalState, event: Mapping[str, str], *,
+        self, state: JournalState, event: AuditEvent, *,
         cause: Exception, ending: Ending | None = None,
     ) -> None:
         """Record a failed attempt's outcome; fail closed when it cannot be stored."""
@@ -540,7 +541,7 @@ class Execution:
         owned: bool,
         attempts: int,
         body_completed: bool = False,
-        outcome_event: Mapping[str, str] | None = None,
+        outcome_event: AuditEvent | None = None,
         allowed: frozenset[JournalState] | None = None,
         journalled: bool = True,
     ) -> BaseException:
@@ -575,14 +576,12 @@ class Execution:
         )
 
 
-def _requested_retry_event(attempt: Attempt, number: int, requested: Retry) -> dict[str, str]:
+def _requested_retry_event(attempt: Attempt, number: int, requested: Retry) -> AuditEvent:
     """The audit event of a retry the tool asked for (``self.retry()``)."""
     cause = requested.exc if isinstance(requested.exc, BaseException) else None
-    event = attempt.context.event("outcome", "retrying", attempt=number, exception=cause,
-                                  requested="1")
-    if isinstance(requested.when, (int, float)):
-        event["countdown"] = f"{requested.when:g}"
-    return event
+    countdown = requested.when if isinstance(requested.when, (int, float)) else None
+    return attempt.context.event("outcome", "retrying", attempt=number, exception=cause,
+                                 requested="1", countdown=countdown)
 
 
 def _caused(ending: BaseException, cause: BaseException) -> BaseException:

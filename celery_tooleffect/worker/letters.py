@@ -19,10 +19,10 @@ protocol lives here, once:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from ..errors import DeadLettered, LeaseLost, StoreUnavailable
+from ..events import AuditEvent
 from ..failures import FailureClass
 from ..store import states
 from ..store.dead_letters import DeadLetter, DeadLetterReason
@@ -38,7 +38,7 @@ def dead_letter(
     attempt: Attempt,
     letter: DeadLetter,
     *,
-    outcome_event: Mapping[str, str],
+    outcome_event: AuditEvent,
     owned: bool,
     exc: BaseException | None,
     journalled: bool,
@@ -63,7 +63,7 @@ def begin_dead_letter(
     attempt: Attempt,
     letter: DeadLetter,
     *,
-    outcome_event: Mapping[str, str],
+    outcome_event: AuditEvent,
     owned: bool,
     exc: BaseException | None,
     journalled: bool,

@@ -56,6 +56,7 @@ from ..errors import (
     StoreUnavailable,
     TaskRevokedWhileRunning,
 )
+from ..events import AuditEvent
 from ..store import states
 from ..store.dead_letters import DeadLetterReason
 from ..store.envelope import MessageEnvelope
@@ -293,7 +294,7 @@ class ToolRequest(Request):  # type: ignore[misc]
 
     def _store_letter(
         self, attempt: Attempt, reason: DeadLetterReason, exc: BaseException,
-        event: dict[str, str], *, owned: bool,
+        event: AuditEvent, *, owned: bool,
     ) -> DeadLettered | None:
         """Dead-letter ``attempt`` with this message, here; the rejection that ends
         the delivery, or None when the letter was not stored (keep the message)."""
@@ -335,11 +336,11 @@ class ToolRequest(Request):  # type: ignore[misc]
 
     def _dead_letter(
         self, attempt: Attempt, reason: DeadLetterReason, exc: BaseException,
-        event: dict[str, str],
+        event: AuditEvent,
     ) -> None:
         """Dead-letter ``attempt`` and end this delivery (requeued when not stored)."""
         rejection = self._store_letter(
-            attempt, reason, exc, dict(event, phase="outcome", status=reason.value),
+            attempt, reason, exc, event.amended(phase="outcome", status=reason.value),
             owned=False,
         )
         if rejection is None:
