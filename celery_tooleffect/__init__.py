@@ -22,6 +22,7 @@ from .errors import (
     ToolDeclarationError,
     ToolEffectError,
 )
+from .events import AuditEvent
 from .failures import CircuitOpenError, FailureClass, FailureClassifier, NoSideEffect
 from .store.audit import AuditLog
 from .store.dead_letters import DeadLetter, DeadLetterReason, DeadLetters
@@ -31,6 +32,7 @@ from .task import ToolTask
 
 __all__ = [
     "AttemptInProgress",
+    "AuditEvent",
     "AuditLog",
     "AuditPersistenceFailed",
     "CircuitOpenError",
