@@ -33,30 +33,6 @@ from .attempt import Attempt
 
 logger = logging.getLogger(__name__)
 
-def dead_letter(
-    runtime: ToolRuntime,
-    attempt: Attempt,
-    letter: DeadLetter,
-    *,
-    outcome_event: AuditEvent,
-    owned: bool,
-    exc: BaseException | None,
-    journalled: bool,
-    allowed: frozenset[JournalState] | None = None,
-) -> DeadLettered:
-    """Dead-letter ``attempt`` in one process (steps 1 to 3); return the
-    exception that rejects its message.
-
-    ``letter`` must carry the message. Raises what :func:`begin_dead_letter`
-    and :func:`finish_dead_letter` raise.
-    """
-    rejection = begin_dead_letter(
-        runtime, attempt, letter, outcome_event=outcome_event, owned=owned, exc=exc,
-        journalled=journalled, allowed=allowed,
-    )
-    finish_dead_letter(runtime, attempt, letter, journalled=journalled)
-    rejection.pending_letter = None
-    return rejection
 
 def begin_dead_letter(
     runtime: ToolRuntime,
@@ -118,6 +94,7 @@ def begin_dead_letter(
     rejection.pending_letter = PendingLetter(replace(letter, message=None), journalled)
     return rejection
 
+
 def finish_dead_letter(
     runtime: ToolRuntime, attempt: Attempt, letter: DeadLetter, *, journalled: bool
 ) -> None:
@@ -152,6 +129,8 @@ def finish_dead_letter(
 
 
 @dataclass(frozen=True)
+
+
 class PendingLetter:
     """A dead letter decided by a tool, on its way to the process that holds the message.
 

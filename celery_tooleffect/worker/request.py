@@ -69,7 +69,7 @@ from .attempt import (
     forged_headers,
     new_token,
 )
-from .letters import PendingLetter, build_letter, dead_letter, finish_dead_letter
+from .letters import PendingLetter, begin_dead_letter, build_letter, finish_dead_letter
 from .strategy import check_request, request_built
 
 logger = logging.getLogger(__name__)
@@ -304,15 +304,19 @@ class ToolRequest(Request):  # type: ignore[misc]
             attempt, reason=reason, failure_class=failure_class, exc=exc,
             attempts=attempt.retries + 1, message=MessageEnvelope.of_message(self._message),
         )
+        journalled = attempt.effect.is_write
         try:
-            rejection = dead_letter(
+            # Both steps here: this process holds the message.
+            rejection = begin_dead_letter(
                 runtime, attempt, letter, outcome_event=event, owned=owned, exc=exc,
-                journalled=attempt.effect.is_write,
+                journalled=journalled,
             )
+            finish_dead_letter(runtime, attempt, letter, journalled=journalled)
         except (StoreUnavailable, LeaseLost) as kept:
             logger.error("%s[%s] not dead-lettered (%s), keeping the message: %s",
                          self.name, self.id, reason.value, kept)
             return None
+        rejection.pending_letter = None
         self._tooleffect_failure_class = failure_class.value
         return rejection
 
