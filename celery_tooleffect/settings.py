@@ -89,11 +89,6 @@ def settings_for(app: Celery) -> Settings:
     return cached
 
 
-def forget(app: Celery) -> None:
-    """Drop the cached settings of ``app`` (after its configuration changed)."""
-    _cache.pop(app, None)
-
-
 def refuse_unknown_settings(conf: Mapping[str, Any]) -> None:
     """Raise when ``conf`` holds a ``tooleffect_*`` key this package does not know."""
     unknown = sorted(

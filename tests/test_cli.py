@@ -152,9 +152,9 @@ def test_list_show_and_stats_of_real_dead_letters(tools: Tools) -> None:
     only_writes = as_json(invoke(app, "dlq", "list", "--json", "--effect", "non_idempotent_write"))
     assert [entry["task_id"] for entry in only_writes["dead_letters"]] == [write.task_id]
     assert only_writes["total"] == 1
-    both = as_json(invoke(app, "dlq", "list", "--json", "--queue", "tools", "--reason",
-                          "not_retryable", "--failure-class", "unknown", "--effect",
-                          "idempotent_write"))
+    both = as_json(invoke(app, "dlq", "list", "--json", "--queue", "tools",
+                          "--dead-letter-reason", "not_retryable", "--failure-class",
+                          "unknown", "--effect", "idempotent_write"))
     assert [entry["task_id"] for entry in both["dead_letters"]] == [idem.task_id]
     none = invoke(app, "dlq", "list", "--queue", "elsewhere")
     assert none.exit_code == 0 and "No dead letters match." in none.stdout
@@ -522,9 +522,27 @@ def test_durations() -> None:
 def test_usage_errors_exit_2(tools: Tools) -> None:
     app = tools.app
     assert invoke(app, "dlq", "list", "--limit", "0").exit_code == 2
-    assert invoke(app, "dlq", "list", "--reason", "bored").exit_code == 2
+    assert invoke(app, "dlq", "list", "--dead-letter-reason", "bored").exit_code == 2
+    # --reason is the why of a replay or purge, never a filter: list points to the filter.
+    renamed = invoke(app, "dlq", "list", "--reason", "not_retryable")
+    assert renamed.exit_code == 2 and "--dead-letter-reason" in renamed.stderr
+    assert "--reason" not in invoke(app, "dlq", "list", "--help").stdout
+    short = invoke(app, "dlq", "list", "-r", "not_retryable")
+    assert short.exit_code == 2 and "No such option" in short.stderr
     assert invoke(app, "dlq", "nothing").exit_code == 2
     assert invoke(app, "audit", "show").exit_code == 2
+
+
+def test_the_cli_filter_choices_are_the_enums() -> None:
+    # The CLI spells its choices out (it imports the package only when a command
+    # runs): they must stay the values of the enums.
+    from celery_tooleffect.admin import cli
+    from celery_tooleffect.failures import FailureClass
+    from celery_tooleffect.store.dead_letters import DeadLetterReason
+
+    assert sorted(cli._REASONS) == sorted(reason.value for reason in DeadLetterReason)
+    assert sorted(cli._CLASSES) == sorted(value.value for value in FailureClass)
+    assert sorted(cli._EFFECTS) == sorted(effect.value for effect in ToolEffect)
 
 
 # -- audit -------------------------------------------------------------------------------

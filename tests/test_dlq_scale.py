@@ -75,6 +75,15 @@ def test_paging_and_counts_with_100000_dead_letters(second_redis: RedisServer) -
     deep, deep_seconds, deep_commands = measured(
         client, lambda: letters.page(limit=50, before=page.next_cursor))
     assert len(deep.letters) == 50
+    # list() is the first page, through the same cursor walk (no scan either).
+    listed, _, list_commands = measured(client, lambda: letters.list(limit=50))
+    assert [letter.task_id for letter in listed] == [letter.task_id for letter in page.letters]
+    billing = letters.list("billing", limit=20)
+    assert [letter.task_id for letter in billing] == [
+        letter.task_id for letter in letters.page(DeadLetterQuery(queue="billing"),
+                                                  limit=20).letters]
+    assert len(billing) == 20 and all(letter.queue == "billing" for letter in billing)
+    assert letters.list("no-such-queue") == [] and letters.list(limit=0) == []
     filtered, filtered_seconds, filtered_commands = measured(
         client, lambda: letters.page(DeadLetterQuery(queue="billing", effect="read_only",
                                                      reason="not_retryable"), limit=50))
@@ -101,6 +110,7 @@ def test_paging_and_counts_with_100000_dead_letters(second_redis: RedisServer) -
     # The number of commands does not depend on N: a page reads its 50 entries
     # (pipelined), stats read one size per index.
     assert page_commands < 80 and deep_commands < 80, (page_commands, deep_commands)
+    assert list_commands == page_commands, (list_commands, page_commands)
     assert filtered_commands < 400, filtered_commands
     assert show_commands <= 2 and stats_commands < 40, (show_commands, stats_commands)
 

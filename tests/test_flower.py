@@ -373,6 +373,28 @@ def test_api_follows_flowers_basic_auth_and_the_replay_rules(
     assert _request(f"{flower.url}/api/dead-letters/nope", user=ops)[0] == 404
     assert _request(f"{flower.url}/api/dead-letters?effect=bogus", user=ops)[0] == 400
 
+    # The dead-letter reason filters as dead_letter_reason; reason is only ever
+    # the operator's why (replay, purge), so a list asking for it is refused.
+    def listed_ids(query: str) -> list[str]:
+        status, body = _request(f"{flower.url}/api/dead-letters?{query}", user=ops)
+        assert status == 200, body
+        return [entry["task_id"] for entry in json.loads(body)["dead_letters"]]
+
+    assert listed_ids("dead_letter_reason=not_retryable&effect=idempotent_write") == [
+        idem.task_id]
+    assert listed_ids("dead_letter_reason=unknown_task") == []
+    assert listed_ids("reason=") == [write.task_id, idem.task_id]
+    assert _request(f"{flower.url}/api/dead-letters?reason=not_retryable", user=ops)[0] == 400
+    assert _request(f"{flower.url}/api/dead-letters?dead_letter_reason=bored",
+                    user=ops)[0] == 400
+    assert _request(f"{flower.url}/dead-letters?reason=not_retryable", user=ops)[0] == 400
+    # The page's filter and its paging links keep the filter under its name.
+    status, page = _request(f"{flower.url}/dead-letters?dead_letter_reason=not_retryable"
+                            "&limit=1", user=ops)
+    assert status == 200, page
+    assert 'name="dead_letter_reason"' in page and 'name="reason"' not in page
+    assert "&dead_letter_reason=not_retryable&failure_class=" in page
+
     # A cross-site POST is refused (more in tests/test_flower_xsrf.py).
     status, _ = _request(f"{flower.url}/api/dead-letters/{idem.task_id}/replay", method="POST",
                          body={}, user=ops, headers={"Sec-Fetch-Site": "cross-site"})

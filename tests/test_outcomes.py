@@ -361,7 +361,7 @@ def test_interactive_write_whose_outcome_cannot_be_stored_raises(
             tool("k", "break_store")
     assert counter.value("k") == 1
     second_redis.accept_writes()
-    assert DeadLetters(app).count() == 0
+    assert DeadLetters(app).list() == []
 
 
 @pytest.mark.parametrize("effect", WRITES)

@@ -5,8 +5,8 @@ group ``celery.commands``, name ``tooleffect``), which gets the app from
 Celery's own ``-A``, and as the console script ``celery-tooleffect``, which
 takes ``-A/--app`` itself. Commands::
 
-    dlq list [--queue Q] [--reason R] [--failure-class C] [--effect E] [--limit N]
-             [--cursor C] [--json]
+    dlq list [--queue Q] [--dead-letter-reason R] [--failure-class C] [--effect E]
+             [--limit N] [--cursor C] [--json]
     dlq show TASK_ID [--json]
     dlq replay TASK_ID... | --all [filters]   [--force] [--reason TEXT] [--json]
     dlq purge TASK_ID... | --all --older-than DURATION [filters]  [--yes] [--reason TEXT]
@@ -14,6 +14,10 @@ takes ``-A/--app`` itself. Commands::
     audit show RUN_ID [--json]
     audit tail [--count N] [--follow] [--json]
     flower [flower options]
+
+Filters (``list``, and ``replay``/``purge`` with ``--all``): ``--queue``,
+``--dead-letter-reason``, ``--failure-class``, ``--effect``. ``--reason`` is
+only ever the operator's why, written in the audit event of a replay or purge.
 
 Exit codes: 0 done; 1 refused, not found, or the store could not be reached;
 2 usage error (click's own). Human output is an aligned table no wider than
@@ -140,6 +144,8 @@ def _filters(command: Any) -> Any:
     for option in reversed(
         [
             click.option("--queue", "-Q", metavar="QUEUE", help="Only this queue."),
+            click.option("--dead-letter-reason", type=click.Choice(_REASONS),
+                         help="Only this dead-letter reason."),
             click.option("--failure-class", "-c", type=click.Choice(_CLASSES),
                          help="Only this failure class."),
             click.option("--effect", "-e", type=click.Choice(_EFFECTS),
@@ -150,25 +156,33 @@ def _filters(command: Any) -> Any:
     return command
 
 
-def _query(queue: str | None, reason: str | None, failure_class: str | None,
+def _query(queue: str | None, dead_letter_reason: str | None, failure_class: str | None,
            effect: str | None) -> DeadLetterQuery:
     from ..store.dead_letters import DeadLetterQuery
 
-    return DeadLetterQuery(queue=queue or None, reason=reason or None,
+    return DeadLetterQuery(queue=queue or None, reason=dead_letter_reason or None,
                            failure_class=failure_class or None, effect=effect or None)
+
+
+def _refuse_reason_filter(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """``dlq list --reason``: the filter is ``--dead-letter-reason`` (renamed)."""
+    if value is not None:
+        raise click.UsageError(
+            "--reason is the why of a replay or purge; filter by --dead-letter-reason", ctx
+        )
 
 
 @dlq.command("list")
 @_filters
-@click.option("--reason", "-r", type=click.Choice(_REASONS), help="Only this dead-letter reason.")
+@click.option("--reason", hidden=True, expose_value=False, callback=_refuse_reason_filter)
 @click.option("--limit", "-n", type=click.IntRange(1, 1000), default=50, show_default=True,
               help="How many to show.")
 @click.option("--cursor", metavar="CURSOR",
               help="Start after this cursor (the next_cursor of an earlier page).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
 @click.pass_context
-def dlq_list(ctx: click.Context, queue: str | None, failure_class: str | None,
-             effect: str | None, reason: str | None, limit: int, cursor: str | None,
+def dlq_list(ctx: click.Context, queue: str | None, dead_letter_reason: str | None,
+             failure_class: str | None, effect: str | None, limit: int, cursor: str | None,
              as_json: bool) -> None:
     """List dead letters, newest first, one page at a time (no full scan)."""
     from ..admin.operations import letter_summary
@@ -181,7 +195,8 @@ def dlq_list(ctx: click.Context, queue: str | None, failure_class: str | None,
         raise click.BadParameter(str(exc), param_hint="--cursor") from None
     try:
         page = operations.runtime.dead_letters.page(
-            _query(queue, reason, failure_class, effect), limit=limit, before=before
+            _query(queue, dead_letter_reason, failure_class, effect), limit=limit,
+            before=before,
         )
     except _store_errors() as exc:
         _fail(f"dead letters unavailable: {exc}")
@@ -309,8 +324,6 @@ def _journal_line(journal: Mapping[str, str] | None) -> str:
               help="Every dead letter matching the filters (READ_ONLY and IDEMPOTENT_WRITE "
                    "only; non-idempotent writes are refused).")
 @_filters
-@click.option("--dead-letter-reason", type=click.Choice(_REASONS),
-              help="With --all: only this dead-letter reason.")
 @click.option("--force", is_flag=True,
               help="Replay one NON_IDEMPOTENT_WRITE, or a write whose body completed "
                    "(needs --reason).")
@@ -318,8 +331,8 @@ def _journal_line(journal: Mapping[str, str] | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
 @click.pass_context
 def dlq_replay(ctx: click.Context, task_ids: tuple[str, ...], replay_all: bool,
-               queue: str | None, failure_class: str | None, effect: str | None,
-               dead_letter_reason: str | None, force: bool, why: str, as_json: bool) -> None:
+               queue: str | None, dead_letter_reason: str | None, failure_class: str | None,
+               effect: str | None, force: bool, why: str, as_json: bool) -> None:
     """Replay dead letters: reset the journal and publish each task again (same task id)."""
     if replay_all and task_ids:
         raise click.UsageError("give task ids or --all, not both")
@@ -352,15 +365,13 @@ def dlq_replay(ctx: click.Context, task_ids: tuple[str, ...], replay_all: bool,
 @click.option("--older-than", type=Duration(), metavar="DURATION",
               help="With --all: stored longer ago than this (90s, 15m, 2h, 7d, 1w).")
 @_filters
-@click.option("--dead-letter-reason", type=click.Choice(_REASONS),
-              help="With --all: only this dead-letter reason.")
 @click.option("--reason", "why", default="", help="Why: written in the audit event.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
 @click.pass_context
 def dlq_purge(ctx: click.Context, task_ids: tuple[str, ...], purge_all: bool,
-              older_than: float | None, queue: str | None, failure_class: str | None,
-              effect: str | None, dead_letter_reason: str | None, why: str, yes: bool,
+              older_than: float | None, queue: str | None, dead_letter_reason: str | None,
+              failure_class: str | None, effect: str | None, why: str, yes: bool,
               as_json: bool) -> None:
     """Delete dead letters for good (audited). Asks first unless --yes."""
     if purge_all and task_ids:

@@ -5,21 +5,25 @@
 file, authentication, TLS and URL prefix), plus:
 
 - a **Dead letters** tab in Flower's navigation: the list with filters (queue,
-  reason, failure class, effect) and paging, one letter's details, and replay
-  and purge buttons under the rules of :mod:`celery_tooleffect.admin.operations`. A
+  dead-letter reason, failure class, effect) and paging, one letter's details,
+  and replay and purge buttons under the rules of
+  :mod:`celery_tooleffect.admin.operations`. A
   NON_IDEMPOTENT_WRITE (or a write whose body completed) is replayed only
   when the operator ticks a confirmation and gives a reason; without them the
   page shows the refusal and nothing is published;
 - the JSON API::
 
-      GET  /api/dead-letters?queue=&reason=&failure_class=&effect=&limit=&cursor=
+      GET  /api/dead-letters?queue=&dead_letter_reason=&failure_class=&effect=&limit=&cursor=
       GET  /api/dead-letters/stats
       GET  /api/dead-letters/<task_id>
       POST /api/dead-letters/<task_id>/replay   {"force": false, "reason": ""}
       POST /api/dead-letters/<task_id>/purge    {"reason": ""}
 
   with the same JSON as the CLI's ``--json`` (replay and purge answer one
-  result: 200 done, 409 refused, 404 not found, 503 failed);
+  result: 200 done, 409 refused, 404 not found, 503 failed). As in the CLI,
+  ``dead_letter_reason`` filters and ``reason`` is only the operator's why,
+  written in the audit event of a replay or purge (a list request with a
+  ``reason`` is refused with 400);
 - a "Failure class" row on Flower's task page for failed tool tasks (from
   the ``failure_class`` field the worker adds to ``task-failed``).
 
@@ -264,14 +268,26 @@ class _DeadLetterMixin:
         return await loop.run_in_executor(None, functools.partial(function, *args, **kwargs))
 
     def query_from(self, get: Callable[..., Any]) -> DeadLetterQuery:
-        values = {}
-        for name, choices in (("reason", _REASONS), ("failure_class", _CLASSES),
-                              ("effect", _EFFECTS)):
+        """The list's filters: ``queue``, ``dead_letter_reason``, ``failure_class``, ``effect``.
+
+        400 for an unknown value, and for ``reason``: that is the why of a
+        replay or purge, never a filter.
+        """
+        if get("reason", ""):
+            raise web.HTTPError(
+                400, "reason is the why of a replay or purge: filter by dead_letter_reason")
+        values: dict[str, str | None] = {}
+        for name, choice in (("dead_letter_reason", DeadLetterReason),
+                             ("failure_class", FailureClass), ("effect", ToolEffect)):
             value = get(name, "") or ""
-            if value and value not in choices:
-                raise web.HTTPError(400, f"unknown {name} {value!r}")
-            values[name] = value or None
-        return DeadLetterQuery(queue=get("queue", "") or None, **values)
+            try:
+                values[name] = choice.coerce(value).value if value else None
+            except ValueError as exc:
+                raise web.HTTPError(400, str(exc)) from None
+        return DeadLetterQuery(
+            queue=get("queue", "") or None, reason=values["dead_letter_reason"],
+            failure_class=values["failure_class"], effect=values["effect"],
+        )
 
 
 def cross_origin_error(headers: Any) -> str | None:

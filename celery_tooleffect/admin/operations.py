@@ -109,9 +109,6 @@ class Outcome(Choice):
     NOT_FOUND = "not_found"
     FAILED = "failed"
 
-    def __str__(self) -> str:
-        return self.value
-
 
 @dataclass(frozen=True)
 class ActionResult:

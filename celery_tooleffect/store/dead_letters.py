@@ -20,8 +20,6 @@ the envelope and its index entries are written and removed by one script.
 from __future__ import annotations
 
 import builtins
-import enum
-import heapq
 import json
 import time
 from collections.abc import Iterator, Mapping
@@ -30,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from ..choices import Choice
 from ..errors import StoreUnavailable
 from ..settings import Settings, settings_for
 from ..store.audit import text
@@ -53,8 +52,10 @@ SAFE_CONTENT = ("json", "msgpack", "yaml")
 _V1 = "v1_"
 
 
-class DeadLetterReason(str, enum.Enum):
+class DeadLetterReason(Choice):
     """Why a task was dead-lettered."""
+
+    __choice_name__ = "a dead-letter reason"
 
     NOT_RETRYABLE = "not_retryable"
     RETRIES_EXHAUSTED = "retries_exhausted"
@@ -64,9 +65,6 @@ class DeadLetterReason(str, enum.Enum):
     UNKNOWN_TASK = "unknown_task"
     UNDECODABLE_MESSAGE = "undecodable_message"
     MALFORMED_MESSAGE = "malformed_message"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass
@@ -197,7 +195,6 @@ class DeadLetters:
     """Stores and reads dead letters."""
 
     def __init__(self, app: Celery, settings: Settings | None = None) -> None:
-        self.app = app
         self.settings = settings or settings_for(app)
         self.keys = Keys(self.settings.key_prefix)
 
@@ -239,7 +236,7 @@ class DeadLetters:
             raise StoreUnavailable(f"dead letter not stored: {exc}") from exc
         return bool(created)
 
-    def record_late_outcome(self, task_id: str, event: dict[str, str]) -> bool:
+    def record_late_outcome(self, task_id: str, event: Mapping[str, str]) -> bool:
         """Copy a late outcome onto the task's dead letter, if it has one.
 
         True when copied. Fail-soft: the outcome is in the audit log already.
@@ -288,39 +285,15 @@ class DeadLetters:
         members = self.client.smembers(self.keys.dead_letter_queues)
         return sorted(text(member) for member in members)
 
-    def count(self, queue: str | None = None) -> int:
-        """How many dead letters ``queue`` (or every queue) holds."""
-        queues = [queue] if queue is not None else self.queues()
-        pipe = self.client.pipeline(transaction=False)
-        for name in queues:
-            pipe.zcard(self.keys.dead_letter_index(name))
-        return int(sum(pipe.execute()))
+    def list(self, queue: str | None = None, *, limit: int = 50) -> builtins.list[DeadLetter]:
+        """The newest ``limit`` dead letters of ``queue`` (None: every queue), newest first.
 
-    def list(
-        self, queue: str | None = None, *, limit: int = 50, offset: int = 0
-    ) -> list[DeadLetter]:
-        """Dead letters newest first, ``limit`` of them after skipping ``offset``.
-
-        Reads at most ``offset + limit`` index entries per queue, never a whole
-        queue.
+        The first page of :meth:`page`: for the pages after it, or for
+        filters, call :meth:`page` and pass its ``next_cursor`` on.
         """
-        queues = [queue] if queue is not None else self.queues()
-        window = offset + limit
-        pipe = self.client.pipeline(transaction=False)
-        for name in queues:
-            pipe.zrevrange(self.keys.dead_letter_index(name), 0, window - 1, withscores=True)
-        per_queue = pipe.execute()
-        newest = heapq.merge(
-            *[[(-score, text(task_id), name) for task_id, score in entries]
-              for name, entries in zip(queues, per_queue, strict=True)]
-        )
-        page = [entry for _, entry in zip(range(window), newest, strict=False)][offset:]
-        if not page:
+        if limit < 1:
             return []
-        pipe = self.client.pipeline(transaction=False)
-        for _, task_id, name in page:
-            pipe.hget(self.keys.dead_letters(name), task_id)
-        return [DeadLetter.from_json(raw) for raw in pipe.execute() if raw is not None]
+        return self.page(DeadLetterQuery(queue=queue), limit=limit).letters
 
     # -- indexes, paging, counts and removal -------------------------------------
 
@@ -569,11 +542,6 @@ class DeadLetterQuery:
 
     def facets(self) -> list[tuple[str, str]]:
         return [(facet, value) for facet in FACETS if (value := getattr(self, facet))]
-
-    def matches(self, letter: DeadLetter) -> bool:
-        return (not self.queue or letter.queue == self.queue) and all(
-            str(getattr(letter, facet)) == value for facet, value in self.facets()
-        )
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ Two leases guard a write with an ``operation_deadline``:
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from typing import Any
 
 import redis
 
+from ..choices import Choice
 from ..settings import Settings
 from ..store.connections import redis_client
 from ..store.lua import script
@@ -33,8 +33,10 @@ from ..store.lua import script
 logger = logging.getLogger(__name__)
 
 
-class LeaseVerdict(str, enum.Enum):
+class LeaseVerdict(Choice):
     """The answer of one extension of a broker lease."""
+
+    __choice_name__ = "a lease verdict"
 
     OK = "ok"
     BUSY = "busy"
@@ -105,8 +107,9 @@ class Leases:
             except redis.RedisError as exc:
                 logger.warning("broker lease of %s not extended: %s", lease.tag, exc)
                 return LeaseVerdict.UNAVAILABLE
-            verdict = LeaseVerdict(answer.decode().lower() if isinstance(answer, bytes)
-                                   else str(answer).lower())
+            verdict = LeaseVerdict.coerce(
+                answer.decode() if isinstance(answer, bytes) else str(answer)
+            )
             if verdict is not LeaseVerdict.BUSY:
                 return verdict
             time.sleep(self.BUSY_WAIT)

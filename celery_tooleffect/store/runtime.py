@@ -25,7 +25,6 @@ class ToolRuntime:
     """Settings, audit log, journal, dead letters and classifier of one app."""
 
     def __init__(self, app: Celery) -> None:
-        self.app = app
         self.settings: Settings = settings_for(app)
         self.audit = AuditLog(app, self.settings)
         self.journal = Journal(self.settings, self.audit)

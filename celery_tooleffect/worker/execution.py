@@ -518,7 +518,7 @@ class Execution:
         """A dead letter was begun but not finished: finish it with its recorded reason."""
         journal = self.runtime.journal.read(self.attempt.ref)
         try:
-            reason = DeadLetterReason(journal.get("reason", ""))
+            reason = DeadLetterReason.coerce(journal.get("reason", ""))
         except ValueError:
             reason = DeadLetterReason.NOT_RETRYABLE
         failure_class = FailureClass.coerce(journal.get("failure_class") or "unknown")
