@@ -28,7 +28,7 @@ from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
-from celery_tooleffect import AuditLog, DeadLetter, DeadLetters, ToolEffect, ToolTask
+from celery_tooleffect import AuditEvent, AuditLog, DeadLetter, DeadLetters, ToolEffect, ToolTask
 from celery_tooleffect.admin.cli import parse_duration, tooleffect
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
 from celery_tooleffect.store.journal import JournalRef
@@ -413,9 +413,10 @@ def test_a_late_outcome_refuses_the_replay_of_a_non_idempotent_write(tools: Tool
     # ... or is only in the run's audit stream (it came before the letter).
     moved = runtime.journal.transition(
         JournalRef(in_stream.run_id, in_stream.task_id), new_state=JournalState.SUCCEEDED,
-        allowed=[JournalState.RUNNING], token="the-old-owner",
-        event={"run_id": in_stream.run_id, "task_id": in_stream.task_id,
-               "phase": "outcome", "status": "succeeded"},
+        allowed=frozenset({JournalState.RUNNING}), token="the-old-owner",
+        event=AuditEvent.of(run_id=in_stream.run_id, task_id=in_stream.task_id,
+                            tool=in_stream.name, effect=in_stream.effect, phase="outcome",
+                            status="succeeded", worker="old-owner:1", queue=in_stream.queue),
     )
     assert not moved  # stored as a late_outcome event
 
@@ -590,9 +591,9 @@ def test_audit_tail_follows_new_events(tools: Tools, prefix: str) -> None:
         wait_for(lambda: lines, timeout=30, what="the tail's header")
         run_id = f"followed-{uuid.uuid4().hex[:8]}"
         for _ in range(50):  # until the follower (already blocking on XREAD) prints it
-            AuditLog(tools.app).record_step(
-                {"run_id": run_id, "task_id": "t", "tool": "x", "phase": "note",
-                 "status": "seen", "ts": f"{time.time():.6f}"})
+            AuditLog(tools.app).record_step(AuditEvent.of(
+                run_id=run_id, task_id="t", tool="x", effect="read_only", phase="note",
+                status="seen", worker="test:1", queue="tools"))
             if any(run_id in line for line in lines):
                 break
             time.sleep(0.2)
