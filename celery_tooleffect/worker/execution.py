@@ -54,7 +54,7 @@ from ..store.leases import LeaseVerdict
 from ..store.runtime import ToolRuntime
 from ..store.states import Ending, JournalState, Verdict
 from .attempt import FORGED_FIELD, TOKEN_FIELD, Attempt, forged_headers, new_token
-from .heartbeat import Heartbeat, LeasePlan, heartbeat_interval
+from .heartbeat import Heartbeat, LeasePlan, plan_leases
 from .letters import begin_dead_letter, build_letter
 from .retries import REQUESTED_EXHAUSTED_MARK, RetryPolicy, exhausted_text
 from .signals import AUDITED_MARK
@@ -271,36 +271,14 @@ class Execution:
     # -- before the body -------------------------------------------------------
 
     def _lease_plan(self) -> LeasePlan:
-        """Secure the broker lease for the deadline, before anything is recorded.
-
-        On Redis, a write without an ``operation_deadline`` has the visibility
-        timeout as its journal lease and nothing is extended: the message comes
-        back after it, as with plain Celery. A broker without a visibility
-        timeout (RabbitMQ) gives a message back as soon as its holder's channel
-        closes, so there every write heartbeats a short journal lease (three
-        intervals), with or without a deadline: a redelivery after its owner
-        died is settled within one journal lease.
-        """
+        """The write's leases (:func:`plan_leases`); with a deadline, the broker
+        lease secured until it, before anything is recorded."""
         attempt, runtime = self.attempt, self.runtime
-        settings = runtime.settings
-        now = time.time()
-        deadline = self.tool.operation_deadline
-        if not deadline:
-            if settings.broker_is_redis:
-                return LeasePlan(journal_lease_end=now + settings.visibility_timeout)
-            interval = heartbeat_interval(settings, None)
-            return LeasePlan(journal_lease_end=now + 3 * interval, interval=interval)
-        deadline_end = now + float(deadline)
-        interval = heartbeat_interval(settings, float(deadline))
-        plan = LeasePlan(
-            journal_lease_end=min(now + 3 * interval, deadline_end),
-            deadline_end=deadline_end,
-            interval=interval,
-        )
-        lease = (
-            None if attempt.interactive
-            else runtime.leases.broker_lease(self.request.properties)
-        )
+        plan = plan_leases(runtime.settings, self.tool.operation_deadline)
+        deadline_end = plan.deadline_end
+        if deadline_end is None or attempt.interactive:
+            return plan
+        lease = runtime.leases.broker_lease(self.request.properties)
         if lease is None:
             return plan
         verdict = runtime.leases.extend_lease(lease, deadline_end)

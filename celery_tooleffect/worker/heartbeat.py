@@ -51,6 +51,33 @@ def heartbeat_interval(settings: Settings, deadline: float | None) -> float:
     return min(max(bound / 6.0, 0.5), 30.0)
 
 
+def plan_leases(settings: Settings, deadline: float | None) -> LeasePlan:
+    """The leases of a write that starts now (the broker lease not yet secured).
+
+    On Redis, a write without an ``operation_deadline`` has the visibility
+    timeout as its journal lease and nothing is extended: the message comes
+    back after it, as with plain Celery. A broker without a visibility
+    timeout (RabbitMQ) gives a message back as soon as its holder's channel
+    closes, so there every write heartbeats a short journal lease (three
+    intervals), with or without a deadline: a redelivery after its owner
+    died is settled within one journal lease. With a deadline, the journal
+    lease is three intervals, never past the deadline.
+    """
+    now = time.time()
+    if not deadline:
+        if settings.broker_is_redis:
+            return LeasePlan(journal_lease_end=now + settings.visibility_timeout)
+        interval = heartbeat_interval(settings, None)
+        return LeasePlan(journal_lease_end=now + 3 * interval, interval=interval)
+    deadline_end = now + float(deadline)
+    interval = heartbeat_interval(settings, float(deadline))
+    return LeasePlan(
+        journal_lease_end=min(now + 3 * interval, deadline_end),
+        deadline_end=deadline_end,
+        interval=interval,
+    )
+
+
 class Heartbeat:
     """Keeps a running write's leases alive until it stops (a context manager).
 
