@@ -21,6 +21,8 @@ from typing import Any
 
 from celery import Celery
 
+from celery_tooleffect.testing import RedisServer, TcpProxy, redis_server
+
 from .app import IDLE_QUEUE, LATENCY_QUEUE, VARIANTS, config
 from .calls import (
     CountingClient,
@@ -30,7 +32,6 @@ from .calls import (
     round_trip_counts,
     throughput_rounds,
 )
-from .proxy import CountingProxy
 from .report import (
     calls_table,
     commands_detail,
@@ -39,7 +40,7 @@ from .report import (
     operations_table,
     round_trips_table,
 )
-from .servers import RedisServer, redis_server, wait_ready, worker_environment, workers
+from .servers import wait_ready, worker_environment, workers
 from .store_scale import Timed, audit_read, dead_letter_operations
 
 SMOKE = {
@@ -83,6 +84,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def counting_proxy(port: int) -> TcpProxy:
+    """A proxy in front of the run's redis-server that counts round trips (it
+    outlives the longest run: 30 minutes)."""
+    return TcpProxy(port, lifetime=1800.0, max_connections=256)
+
+
 def say(line: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
@@ -91,7 +98,7 @@ def call_phases(args: argparse.Namespace, server: RedisServer, phases: set[str],
                 logdir: Path) -> dict[str, VariantFigures]:
     prefix = f"bench:{uuid.uuid4().hex[:8]}:"
     figures = {variant: VariantFigures(variant) for variant in VARIANTS}
-    poller = CountingClient(server.client())
+    poller = CountingClient(server.client(socket_timeout=60))
     quiet = producer_app(prefix, server.url, with_results=False)
     if "calls" in phases:
         environment = worker_environment(prefix, server.url, prefetch=args.prefetch,
@@ -104,17 +111,17 @@ def call_phases(args: argparse.Namespace, server: RedisServer, phases: set[str],
             latency_rounds(producer_app(prefix, server.url, with_results=True), figures,
                            rounds=args.latency_rounds, calls=args.latency_calls, progress=say)
     if "round-trips" in phases:
-        with CountingProxy(server.port) as broker, CountingProxy(server.port) as backend, \
-                CountingProxy(server.port) as store:
+        with counting_proxy(server.port) as broker, counting_proxy(server.port) as backend, \
+                counting_proxy(server.port) as store:
             proxies = {"broker": broker, "backend": backend, "store": store}
-            environment = worker_environment(prefix, broker.url, backend=backend.url,
-                                             store=store.url, prefetch=args.prefetch)
+            environment = worker_environment(prefix, broker.url(), backend=backend.url(),
+                                             store=store.url(), prefetch=args.prefetch)
             with workers(args.workers, args.concurrency, environment, logdir,
                          IDLE_QUEUE) as started:
                 wait_ready(quiet, started)
                 round_trip_counts(quiet, [worker.name for worker in started], prefix, poller,
-                                  server.client(), proxies, figures, small=args.rt_small,
-                                  large=args.rt_large, progress=say)
+                                  server.client(socket_timeout=60), proxies, figures,
+                                  small=args.rt_small, large=args.rt_large, progress=say)
     return figures
 
 

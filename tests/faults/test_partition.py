@@ -24,16 +24,15 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters
-from tests.conftest import (
+from celery_tooleffect.testing import (
     REDIS_URL,
-    Counter,
+    TcpProxy,
     WorkerProcess,
-    on_broker,
     start_celery_worker,
     wait_for,
 )
+from tests.conftest import TESTS, Counter, on_broker
 from tests.faults.netns import Namespace, namespaces_possible
-from tests.faults.proxy import StoreProxy
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -60,10 +59,10 @@ def test_a_partitioned_owner_never_runs_its_write_twice(
 ) -> None:
     rabbitmq = broker_url.startswith("amqp")
     app = make_app(**on_broker(prefix, broker_url, visibility_timeout=3.0))
-    store = StoreProxy(port_of(REDIS_URL, 6379), listen_host=namespace.host_ip).start()
+    store = TcpProxy(port_of(REDIS_URL, 6379), listen_host=namespace.host_ip).start()
     proxies = [store]
     if rabbitmq:
-        amqp = StoreProxy(port_of(broker_url, 5672), listen_host=namespace.host_ip).start()
+        amqp = TcpProxy(port_of(broker_url, 5672), listen_host=namespace.host_ip).start()
         proxies.append(amqp)
         vhost = broker_url.rsplit("/", 1)[1]
         partitioned_broker = f"amqp://guest:guest@{namespace.host_ip}:{amqp.port}/{vhost}"
@@ -72,7 +71,7 @@ def test_a_partitioned_owner_never_runs_its_write_twice(
     try:
         owner = start_celery_worker(
             "tests.apps.tool_app", tmp_path / "partitioned.log",  # type: ignore[operator]
-            name="partitioned", wrap=namespace.inside(),
+            name="partitioned", wrap=namespace.inside(), root=TESTS.parent,
             env=dict(TE_PREFIX=prefix, TE_BROKER=partitioned_broker, TE_COUNTERS=store.url(),
                      TE_STORE=store.url(), TE_VT="3", TE_HEARTBEAT="0.5" if rabbitmq else "",
                      TE_BROKER_HEARTBEAT="2"),

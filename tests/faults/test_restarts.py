@@ -20,8 +20,8 @@ import pytest
 import redis
 from celery import Celery
 
-from tests.conftest import WorkerProcess, wait_for
-from tests.faults.scenario import MIX, FaultRun, restartable_redis
+from celery_tooleffect.testing import WorkerProcess, redis_server, wait_for
+from tests.faults.scenario import MIX, FaultRun
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -39,7 +39,7 @@ def test_broker_restarts_with_aof_while_calls_run(
     main_redis: redis.Redis, prefix: str,
 ) -> None:
     rng = random.Random(7)
-    with restartable_redis("--appendonly", "yes", "--appendfsync", "always") as broker:
+    with redis_server("--appendonly", "yes", "--appendfsync", "always") as broker:
         app = make_app(broker_url=broker.url, result_backend=broker.url)
         run = FaultRun("broker Redis restarts (AOF, also the store)", app, main_redis, prefix)
         worker = spawn_worker(concurrency=4, visibility_timeout=VT, broker_url=broker.url,
@@ -62,7 +62,7 @@ def test_store_restarts_without_persistence_while_writes_run(
     make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
     main_redis: redis.Redis, prefix: str,
 ) -> None:
-    with restartable_redis() as store:
+    with redis_server() as store:
         run = FaultRun("audit store restarts empty (no persistence)",
                        make_app(tooleffect_redis_url=store.url), main_redis, prefix)
         run.journal_lost = True
@@ -100,7 +100,7 @@ def test_store_restarts_without_persistence_after_a_worker_died_mid_write(
     included. Nothing in Redis remembers the first run; only the warning each
     worker gave at start said that this could happen.
     """
-    with restartable_redis() as store:
+    with redis_server() as store:
         run = FaultRun("audit store restarts empty after a worker died mid-write",
                        make_app(tooleffect_redis_url=store.url), main_redis, prefix)
         run.journal_lost = True

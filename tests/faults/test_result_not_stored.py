@@ -20,7 +20,8 @@ from celery import Celery
 from celery_tooleffect import AuditLog, DeadLetters, ToolEffect, ToolTask
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
-from tests.conftest import Counter, RedisServer, running_worker, wait_for
+from celery_tooleffect.testing import RedisServer, wait_for
+from tests.conftest import Counter, running_worker
 from tests.faults.scenario import broker_holds
 
 pytestmark = pytest.mark.timeout(120)

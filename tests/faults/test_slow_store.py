@@ -1,6 +1,6 @@
 """The audit store answers slowly: later than ``tooleffect_socket_timeout``.
 
-The proxy of ``tests/faults/proxy.py`` delays every chunk by 1 s, both ways,
+The proxy (``celery_tooleffect.testing.TcpProxy``) delays every chunk by 1 s, both ways,
 between a ``celery worker`` (prefork, ``tooleffect_socket_timeout`` 0.5 s) and
 the audit store. A command the worker gave up on still reaches the server and
 is applied there, after the worker has decided what its silence means: every
@@ -28,8 +28,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
-from tests.conftest import RedisServer, WorkerProcess, wait_for
-from tests.faults.proxy import StoreProxy
+from celery_tooleffect.testing import RedisServer, TcpProxy, WorkerProcess, wait_for
 from tests.faults.scenario import FaultRun, broker_holds, load_scripts
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,7 +45,7 @@ def test_slow_before_the_intent_no_write_runs_without_its_intent(
     run = FaultRun("store answers slowly (1 s > 0.5 s timeout) before the intent",
                    make_app(tooleffect_redis_url=second_redis.url), main_redis, prefix)
     load_scripts(second_redis.client())
-    with StoreProxy(second_redis.port, lifetime=170) as proxy:
+    with TcpProxy(second_redis.port, lifetime=170) as proxy:
         worker = spawn_worker(concurrency=9, visibility_timeout=VT, store_url=proxy.url(),
                               TE_SOCKET_TIMEOUT=SOCKET_TIMEOUT, TE_MAX_RETRIES="40")
         # Every pool process connects to the store first, so that the intents
@@ -87,7 +86,7 @@ def test_slow_between_intent_and_outcome_writes_fail_closed(
     run = FaultRun("store answers slowly (1 s > 0.5 s timeout) between intent and outcome",
                    make_app(tooleffect_redis_url=second_redis.url), main_redis, prefix)
     load_scripts(second_redis.client())
-    with StoreProxy(second_redis.port, lifetime=170) as proxy:
+    with TcpProxy(second_redis.port, lifetime=170) as proxy:
         worker = spawn_worker(concurrency=9, visibility_timeout=VT, store_url=proxy.url(),
                               TE_SOCKET_TIMEOUT=SOCKET_TIMEOUT)
         calls = run.submit_mix(hold=60.0)

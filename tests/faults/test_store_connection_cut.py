@@ -1,6 +1,6 @@
 """The audit store's connections are cut while scripts are in flight.
 
-A TCP proxy of the test's own (``tests/faults/proxy.py``) sits between a
+A TCP proxy of the test's own (``celery_tooleffect.testing.TcpProxy``) sits between a
 ``celery worker`` (prefork) and the audit store. A cut script is an ambiguous
 outcome for the worker: the server may have applied it and the answer was
 lost, or it never arrived. Two kinds of cut:
@@ -26,8 +26,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect.store.lua import script
-from tests.conftest import RedisServer, WorkerProcess, wait_for
-from tests.faults.proxy import StoreProxy
+from celery_tooleffect.testing import RedisServer, TcpProxy, WorkerProcess, wait_for
 from tests.faults.scenario import Call, FaultRun, load_scripts
 
 pytestmark = pytest.mark.timeout(180)
@@ -44,7 +43,7 @@ def test_random_cuts_while_calls_run_lose_nothing_and_never_run_a_write_twice(
     rng = random.Random(20261202)
     run = FaultRun("store connection cut mid-script (random cuts)",
                    make_app(tooleffect_redis_url=second_redis.url), main_redis, prefix)
-    with StoreProxy(second_redis.port, lifetime=170) as proxy:
+    with TcpProxy(second_redis.port, lifetime=170) as proxy:
         proxy.latency = 0.03  # every chunk waits a little: a cut catches scripts in flight
         worker = spawn_worker(concurrency=4, visibility_timeout=VT, store_url=proxy.url(),
                               TE_MAX_RETRIES="8")
@@ -79,7 +78,7 @@ def targeted(
     run = FaultRun(f"store connection cut mid-script ({name})",
                    make_app(tooleffect_redis_url=store.url), main, prefix)
     load_scripts(store.client())  # a cut EVALSHA is then the script, never NOSCRIPT
-    with StoreProxy(store.port, lifetime=170) as proxy:
+    with TcpProxy(store.port, lifetime=170) as proxy:
         worker = spawn_worker(concurrency=3, visibility_timeout=VT, store_url=proxy.url())
         # One cut per write: the first time its script goes out, never again.
         ids = [uuid.uuid4().hex for _ in WRITES]

