@@ -15,10 +15,10 @@ from .calls import VariantFigures
 from .store_scale import Timed
 
 BASELINE = next(iter(VARIANTS))
-#: Store round trips the contract needs for one successful call: one per
+#: Store round trips the design needs for one successful call: one per
 #: journal transition (intent, outcome) for a write, the fail-soft audit
 #: append for a read; a deadline adds securing the broker lease.
-CONTRACT_MINIMUM = {
+DESIGN_MINIMUM = {
     BASELINE: {"store": 0, "broker extra": 0},
     "READ_ONLY": {"store": 1, "broker extra": 0},
     "IDEMPOTENT_WRITE": {"store": 2, "broker extra": 0},
@@ -73,7 +73,7 @@ def round_trips_table(figures: dict[str, VariantFigures]) -> str:
         trips = figure.round_trips
         if not trips:
             continue
-        minimum = CONTRACT_MINIMUM[variant]
+        minimum = DESIGN_MINIMUM[variant]
         broker_extra = trips["broker"] - base.round_trips["broker"]
         commands = sum(figure.commands.values())
         scripts = figure.commands.get("evalsha", 0.0)
@@ -88,7 +88,7 @@ def round_trips_table(figures: dict[str, VariantFigures]) -> str:
             f"{commands:.1f} ({scripts:.0f} script{'' if round(scripts) == 1 else 's'})",
         ])
     return table(["variant", "broker (vs baseline)", "result backend", "tooleffect store",
-                  "store minimum (contract)", "all round trips", "Redis commands"], rows)
+                  "store minimum (design)", "all round trips", "Redis commands"], rows)
 
 
 def commands_detail(figures: dict[str, VariantFigures]) -> str:

@@ -29,8 +29,8 @@ other:
    Redis.
 
 It prints each run's audit trail and the dead letter, and exits 0 only when
-everything matches the contract. ``examples/agent_app.py`` defines its own
-copy of the first three tools. The Redis servers are started with
+everything matches what the documentation promises (How a task ends).
+``examples/agent_app.py`` defines its own copy of the first three tools. The Redis servers are started with
 :mod:`celery_tooleffect.testing`.
 """
 
@@ -309,7 +309,7 @@ def _short(value: Any, limit: int = 110) -> str:
 
 
 def check(runs: Sequence[Run], refunds: int) -> list[str]:
-    """What does not match the contract (empty when all is well)."""
+    """What does not match the documented behaviour (empty when all is well)."""
     read, idempotent, invoice, forced = runs
     problems: list[str] = []
 
@@ -417,12 +417,12 @@ def run_demo(broker_url: str, store_url: str, *, verbose: bool = False) -> int:
             print(f"Cleaned up: deleted {deleted} keys under {prefix} on the broker's Redis.")
 
     if problems:
-        print("\nDEMO FAILED: the results do not match the contract:")
+        print("\nDEMO FAILED: the results do not match the documented behaviour:")
         for problem in problems:
             print(f"  - {problem}")
         return 1
     print(
-        "\nAll as the contract says: reads and writes succeeded with their audit trails; "
+        "\nAll as documented: reads and writes succeeded with their audit trails; "
         "the write whose\noutcome could not be recorded failed closed and was dead-lettered "
         "(not_retryable, unknown,\nbody_completed=true) instead of being retried."
     )

@@ -11,8 +11,8 @@ error; one that only weakens it is warned about loudly:
   An ``operation_deadline`` may exceed the visibility timeout (that is what it
   is for): its lease is extended, and a delivery deferred to a live owner's
   lease end waits at most 80 % of the visibility timeout before it looks again
-  (see ``ToolTask._come_back_later``). The contract asked for a refusal here
-  too; the README's decisions section says why it was not kept;
+  (see ``Execution._come_back_later``). Refusing it too was considered; the
+  documentation's Decisions page says why it was not kept;
 - on RabbitMQ, a deadline longer than the broker's ``consumer_timeout``
   (``tooleffect_rabbitmq_consumer_timeout``) would have the channel closed
   under a running write;
