@@ -30,8 +30,8 @@ other:
 
 It prints each run's audit trail and the dead letter, and exits 0 only when
 everything matches what the documentation promises (How a task ends).
-``examples/agent_app.py`` defines its own copy of the first three tools. The Redis servers are started with
-:mod:`celery_tooleffect.testing`.
+``examples/agent_app.py`` defines its own copy of the first three tools. The
+Redis servers are started with :mod:`celery_tooleffect.testing`.
 """
 
 from __future__ import annotations
