@@ -45,7 +45,7 @@ def define_charge(app: Celery) -> ToolTask:
     return charge  # type: ignore[return-value]
 
 
-def test_events_carry_the_contract_fields(make_app: Callable[..., Celery]) -> None:
+def test_events_carry_the_documented_fields(make_app: Callable[..., Celery]) -> None:
     app = make_app()
     charge = define_charge(app)
     with running_worker(app):

@@ -3,7 +3,7 @@
 Benchmarks are not tests and nothing here is timed. The smoke run checks that
 every phase runs to its end on real workers and a real Redis, that every call
 ended in SUCCESS (the program fails otherwise), and that the round trips it
-counts are the contract's floor: a count, not a speed.
+counts are the design's minimum (one per journal step): a count, not a speed.
 """
 
 from __future__ import annotations

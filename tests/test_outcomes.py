@@ -1,4 +1,4 @@
-"""The rows of the contract's table (section 5) through a real in-process worker.
+"""The rows of the "How a task ends" table (docs/guide.md) through a real in-process worker.
 
 Each body counts its executions in Redis, so every test asserts how many times
 the body really ran, where the message ended, and what the audit holds. Faults
