@@ -18,6 +18,7 @@ wrong and what it means::
      +-- NoSideEffect                    (failures.py) raise it for an error before any effect
      +-- DeadLettered                    (also Celery's Reject) the message is a dead letter
      +-- LeaseLost                       (also Celery's Ignore) another delivery owns the call
+     +-- RedisServerError                (testing.py) a test's redis-server did not start
 
 ``DeadLettered`` and ``LeaseLost`` end a call inside the worker; a result
 backend stores them (and the others) with ``exc_module`` set to this module,

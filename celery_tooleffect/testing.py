@@ -42,6 +42,8 @@ from typing import Any, TypeVar
 
 import redis
 
+from .errors import ToolEffectError
+
 __all__ = [
     "REDIS_URL",
     "RedisServer",
@@ -92,7 +94,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 # -- Redis -------------------------------------------------------------------------------
 
 
-class RedisServerError(RuntimeError):
+class RedisServerError(ToolEffectError, RuntimeError):
     """No ``redis-server`` binary, or one that did not start."""
 
 
