@@ -19,6 +19,7 @@ from .errors import (
     RetriesExhausted,
     StoreUnavailable,
     TaskRevokedWhileRunning,
+    ToolContextError,
     ToolDeclarationError,
     ToolEffectError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "RetriesExhausted",
     "StoreUnavailable",
     "TaskRevokedWhileRunning",
+    "ToolContextError",
     "ToolDeclarationError",
     "ToolEffect",
     "ToolEffectError",

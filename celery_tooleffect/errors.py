@@ -14,6 +14,7 @@ wrong and what it means::
      +-- TaskRevokedWhileRunning         revoke(terminate=True) stopped a running write
      +-- RetriesExhausted                the retry budget is spent
      +-- AttemptInProgress               an interactive call found its task running elsewhere
+     +-- ToolContextError                a tool asked for what only its running call has
      +-- CircuitOpenError                (failures.py) raise it when a breaker refuses a call
      +-- NoSideEffect                    (failures.py) raise it for an error before any effect
      +-- DeadLettered                    (also Celery's Reject) the message is a dead letter
@@ -156,3 +157,9 @@ class AttemptInProgress(ToolEffectError):
     running elsewhere; try again when that attempt has ended."""
 
     failure_class = "connection"
+
+
+class ToolContextError(ToolEffectError):
+    """A tool asked for what only a running call has: ``self.idempotency_key``
+    outside the tool's body, or ``self.fencing_token`` of a READ_ONLY tool
+    (which keeps no journal) or outside a write's body."""

@@ -19,10 +19,19 @@ from celery.app.annotations import resolve_all as resolve_all_annotations
 from celery.exceptions import Reject, Retry
 
 from .effect import ToolEffect, ToolEffectResolver
-from .errors import EffectRelabelRefused, ToolDeclarationError
+from .errors import (
+    EffectRelabelRefused,
+    ToolContextError,
+    ToolDeclarationError,
+)
 from .settings import refuse_unknown_settings
 from .store.runtime import ToolRuntime, runtime_for
-from .worker.attempt import forged_headers, without_internal_fields
+from .worker.attempt import (
+    FENCING_TOKEN_FIELD,
+    IDEMPOTENCY_KEY_FIELD,
+    forged_headers,
+    without_internal_fields,
+)
 from .worker.consumer import install_consumer_step
 from .worker.execution import run_tool
 from .worker.retries import (
@@ -151,6 +160,42 @@ class ToolTask(Task):  # type: ignore[misc]
         and the package's own retries spend one budget.
         """
         return self.retry_policy.budget
+
+    @property
+    def idempotency_key(self) -> str:
+        """This task's idempotency key, for providers that deduplicate (an
+        ``Idempotency-Key`` header, a client token).
+
+        The same for every delivery, retry and replay of the task, different
+        for another task; derived from the run id and the task id, and
+        recorded in the intent event. Read it in the body of a bound tool
+        (``bind=True``); elsewhere it raises :class:`ToolContextError`.
+        """
+        key = getattr(self.request, IDEMPOTENCY_KEY_FIELD, None)
+        if key is None:
+            raise ToolContextError(
+                f"{self.name}: idempotency_key is known only while the tool runs"
+            )
+        return str(key)
+
+    @property
+    def fencing_token(self) -> int:
+        """This attempt's fencing token: strictly greater than that of every
+        earlier attempt of the task (retries, redeliveries and replays
+        included), taken from the journal with the intent and recorded in the
+        intent event. A downstream store that keeps the highest token it saw
+        can refuse the late write of a stale owner.
+
+        Only a write has one (a READ_ONLY tool keeps no journal), and only
+        while its body runs; elsewhere it raises :class:`ToolContextError`.
+        """
+        token = getattr(self.request, FENCING_TOKEN_FIELD, None)
+        if token is None:
+            raise ToolContextError(
+                f"{self.name}: a fencing token exists only while a write's body runs "
+                f"(this tool is {self.tool_effect.value})"
+            )
+        return int(token)
 
     def mcp_annotations(self) -> dict[str, bool]:
         """MCP tool annotations of this tool."""

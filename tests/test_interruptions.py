@@ -27,6 +27,15 @@ def started_pids(client: redis.Redis, prefix: str, key: str) -> list[int]:
     return [int(pid) for pid in client.lrange(f"{prefix}started:{key}", 0, -1)]
 
 
+def assert_one_key_and_rising_fences(events: list[dict[str, str]], attempts: int) -> None:
+    """Every attempt's intent carries the task's one idempotency key and a
+    fencing token above the one before it."""
+    intents = [e for e in events if e["phase"] == "intent"]
+    assert len(intents) == attempts
+    assert len({e["idempotency_key"] for e in intents}) == 1
+    assert [int(e["fencing_token"]) for e in intents] == list(range(1, attempts + 1))
+
+
 def producer(make_app: Callable[..., Celery], prefix: str, broker_url: str,
              **transport: float) -> Celery:
     return make_app(**on_broker(prefix, broker_url, **transport))
@@ -70,6 +79,7 @@ def test_pool_child_killed_mid_body(
     assert "interrupted" in [e["phase"] for e in events]
     if tool != "tools.read":
         assert [e["phase"] for e in events].count("intent") == runs
+        assert_one_key_and_rising_fences(events, runs)
 
 
 @pytest.mark.parametrize(
@@ -127,5 +137,6 @@ def test_whole_worker_killed_mid_body(
                           what="the dead letter after redelivery\n" + second.output()[-4000:])
         assert letter.reason == dead_letter_reason
     assert counter.value(key) == runs, second.output()[-3000:]
-    phases = [e["phase"] for e in AuditLog(app).events(result.id)]
-    assert "interrupted" in phases
+    events = AuditLog(app).events(result.id)
+    assert "interrupted" in [e["phase"] for e in events]
+    assert_one_key_and_rising_fences(events, runs)

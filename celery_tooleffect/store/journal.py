@@ -39,6 +39,8 @@ class Begin:
     #: For STARTED: the intent event, whose copy to the global stream is left
     #: to travel with the attempt's outcome (see ``Journal.transition``).
     intent_event: AuditEvent | None = None
+    #: For STARTED: the attempt's fencing token (strictly increasing per task).
+    fencing_token: int | None = None
     #: For EXHAUSTED: how the earlier attempts ended.
     endings: Mapping[Ending, int] | None = None
 
@@ -135,8 +137,10 @@ class Journal:
             endings = {ending: int(count) for ending, count in zip(Ending, answer[3:], strict=True)}
         result = Begin(Verdict(text(verdict)), int(attempt), text(detail), endings=endings)
         if result.verdict is Verdict.STARTED:
+            fence = int(answer[3])
             # Saves a round trip on the hot path: the copy rides with the outcome.
-            return Begin(result.verdict, result.attempt, result.detail, intent_event=event)
+            return Begin(result.verdict, result.attempt, result.detail,
+                         intent_event=event.amended(fencing_token=fence), fencing_token=fence)
         if result.verdict in (Verdict.DONE, Verdict.DEAD_LETTERED):
             self.audit.copy_to_global(event)
         return result

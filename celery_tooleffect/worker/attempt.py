@@ -7,6 +7,7 @@ entry and audit stream.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import uuid
@@ -28,6 +29,11 @@ ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, REPLAY_HEADER})
 #: taken from a message.
 TOKEN_FIELD = "tooleffect_token"
 FORGED_FIELD = "tooleffect_forged_headers"
+#: Request fields the pool process sets for the tool's body (read by
+#: ``ToolTask.idempotency_key`` and ``ToolTask.fencing_token``).
+IDEMPOTENCY_KEY_FIELD = "tooleffect_idempotency_key"
+FENCING_TOKEN_FIELD = "tooleffect_fencing_token"
+INTERNAL_FIELDS = (TOKEN_FIELD, FORGED_FIELD, IDEMPOTENCY_KEY_FIELD, FENCING_TOKEN_FIELD)
 
 
 _tokens: dict[int, tuple[str, Iterator[int]]] = {}
@@ -118,6 +124,14 @@ class Attempt:
         )
 
     @property
+    def idempotency_key(self) -> str:
+        """The task's idempotency key: the same for every delivery, retry and
+        replay of the task, different for another task (or the same task id in
+        another run). SHA-256 of the run id and the task id, 32 hex digits."""
+        digest = hashlib.sha256(f"{self.run_id}\n{self.task_id}".encode("utf-8", "replace"))
+        return digest.hexdigest()[:32]
+
+    @property
     def ref(self) -> JournalRef:
         return JournalRef(self.run_id, self.task_id)
 
@@ -144,6 +158,6 @@ def without_internal_fields(signature: Any) -> Any:
     if isinstance(headers, Mapping):
         signature.options["headers"] = {
             name: value for name, value in headers.items()
-            if name not in (TOKEN_FIELD, FORGED_FIELD)
+            if name not in INTERNAL_FIELDS
         }
     return signature

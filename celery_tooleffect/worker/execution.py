@@ -53,7 +53,15 @@ from ..store.journal import Begin
 from ..store.leases import LeaseVerdict
 from ..store.runtime import ToolRuntime
 from ..store.states import Ending, JournalState, Verdict
-from .attempt import FORGED_FIELD, TOKEN_FIELD, Attempt, forged_headers, new_token
+from .attempt import (
+    FENCING_TOKEN_FIELD,
+    FORGED_FIELD,
+    IDEMPOTENCY_KEY_FIELD,
+    TOKEN_FIELD,
+    Attempt,
+    forged_headers,
+    new_token,
+)
 from .heartbeat import Heartbeat, LeasePlan, plan_leases
 from .letters import begin_dead_letter, build_letter
 from .retries import REQUESTED_EXHAUSTED_MARK, RetryPolicy, exhausted_text
@@ -142,6 +150,9 @@ class Execution:
 
     def run(self) -> Any:
         self._check_message()
+        # What the body reads as self.idempotency_key (and, for a write,
+        # self.fencing_token, set once its intent is recorded).
+        setattr(self.request, IDEMPOTENCY_KEY_FIELD, self.attempt.idempotency_key)
         if not self.attempt.effect.is_write:
             return self._run_read_only()
         return self._run_write()
@@ -209,6 +220,7 @@ class Execution:
         attempt, runtime = self.attempt, self.runtime
         plan = self._lease_plan()
         begin = self._begin(plan)
+        setattr(self.request, FENCING_TOKEN_FIELD, begin.fencing_token)
         number = begin.attempt
         started = time.monotonic()
         try:
@@ -327,6 +339,7 @@ class Execution:
                 attempts_allowed=self.policy.attempts_allowed,
                 event=attempt.context.event(
                     "intent", "started", payload={**self._payload(), **lease_note},
+                    idempotency_key=attempt.idempotency_key,
                 ),
             )
         except StoreUnavailable as store_down:

@@ -9,7 +9,10 @@
 -- ARGV[7] stream MAXLEN      ARGV[8..] event field/value pairs
 --
 -- Returns {verdict, attempt, detail}:
---   started         the body may run (detail: 'new' or 'reclaimed')
+--   started         the body may run (detail: 'new' or 'reclaimed'), then also
+--                   the attempt's fencing token: the entry's 'fence' counter,
+--                   raised by one for each attempt started and never reset
+--                   (a replay keeps it), recorded in the intent event
 --   done            the outcome is recorded already: acknowledge, do not run
 --   dead_lettered   the task is a dead letter already: acknowledge, do not run
 --   dead_lettering  a dead letter was begun and not finished (detail: reason)
@@ -24,13 +27,14 @@ local token, now, lease_end = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local effect, allowed, ttl, maxlen = ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
 local fields = slice(ARGV, 8, #ARGV)
 
-local current = redis.call('HMGET', journal, 'state', 'attempt', 'owner', 'lease_end', 'reason')
+local current = redis.call('HMGET', journal, 'state', 'attempt', 'owner', 'lease_end', 'reason',
+  'fence')
 local state, attempt, owner = current[1], tonumber(current[2] or '0'), current[3]
 local owner_lease_end, pending_reason = tonumber(current[4] or '0'), current[5]
 
 -- A re-sent begin of the attempt we already own (a reconnect retried it).
 if state == 'running' and owner == token then
-  return {'started', attempt, 'same'}
+  return {'started', attempt, 'same', current[6] or '0'}
 end
 if state == 'succeeded' then
   append_event(stream, seq, maxlen, ttl, fields,
@@ -81,9 +85,11 @@ if attempt >= allowed then
 end
 
 attempt = attempt + 1
+local fence = redis.call('HINCRBY', journal, 'fence', 1)
 redis.call('HSET', journal, 'state', 'running', 'attempt', attempt, 'owner', token,
   'lease_end', lease_end, 'effect', effect, 'updated_at', ARGV[2])
 redis.call('EXPIRE', journal, ttl)
 append_event(stream, seq, maxlen, ttl, fields,
-  {phase = 'intent', status = 'started', attempt = attempt, reclaimed = detail})
-return {'started', attempt, detail}
+  {phase = 'intent', status = 'started', attempt = attempt, reclaimed = detail,
+   fencing_token = fence})
+return {'started', attempt, detail, tostring(fence)}
