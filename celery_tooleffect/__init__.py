@@ -16,6 +16,7 @@ from .errors import (
     InterruptedWrite,
     LeaseLost,
     LeaseNotSecured,
+    ReconcileFailed,
     RetriesExhausted,
     StoreUnavailable,
     TaskRevokedWhileRunning,
@@ -25,6 +26,7 @@ from .errors import (
 )
 from .events import AuditEvent
 from .failures import CircuitOpenError, FailureClass, FailureClassifier, NoSideEffect
+from .reconciliation import ReconcileStatus, Reconciliation
 from .store.audit import AuditLog
 from .store.dead_letters import DeadLetter, DeadLetterReason, DeadLetters
 from .store.journal import Journal
@@ -52,6 +54,9 @@ __all__ = [
     "LeaseLost",
     "LeaseNotSecured",
     "NoSideEffect",
+    "ReconcileFailed",
+    "ReconcileStatus",
+    "Reconciliation",
     "RetriesExhausted",
     "StoreUnavailable",
     "TaskRevokedWhileRunning",

@@ -15,6 +15,7 @@ wrong and what it means::
      +-- RetriesExhausted                the retry budget is spent
      +-- AttemptInProgress               an interactive call found its task running elsewhere
      +-- ToolContextError                a tool asked for what only its running call has
+     +-- ReconcileFailed                 a tool's reconcile timed out or answered nonsense
      +-- CircuitOpenError                (failures.py) raise it when a breaker refuses a call
      +-- NoSideEffect                    (failures.py) raise it for an error before any effect
      +-- DeadLettered                    (also Celery's Reject) the message is a dead letter
@@ -163,3 +164,9 @@ class ToolContextError(ToolEffectError):
     """A tool asked for what only a running call has: ``self.idempotency_key``
     outside the tool's body, or ``self.fencing_token`` of a READ_ONLY tool
     (which keeps no journal) or outside a write's body."""
+
+
+class ReconcileFailed(ToolEffectError):
+    """A tool's ``reconcile`` did not answer in time
+    (``tooleffect_reconcile_timeout``) or answered something that is not a
+    ``Reconciliation``; the interrupted write stays a dead letter."""

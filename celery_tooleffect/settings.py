@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_socket_timeout": 5.0,
     "tooleffect_heartbeat_interval": None,
     "tooleffect_rabbitmq_consumer_timeout": 1800.0,
+    "tooleffect_reconcile_timeout": 30.0,
 }
 
 
@@ -60,6 +61,8 @@ class Settings:
     visibility_timeout: float
     heartbeat_interval: float | None
     rabbitmq_consumer_timeout: float
+    #: Seconds a tool's ``reconcile`` may take before its answer counts as unknown.
+    reconcile_timeout: float = 30.0
     broker_transport_options: Mapping[str, Any] = field(default_factory=dict)
     #: The store (``redis_url``) is a Redis Cluster (``tooleffect_redis_cluster``).
     redis_cluster: bool = False
@@ -122,18 +125,20 @@ def _read(app: Celery) -> Settings:
     if redis_cluster and not broker_is_redis:
         # Dead letters would then be kept in the store, and their indexes
         # (every queue, every reason) are not in one hash slot.
-        raise ValueError(
+        raise ConfigurationError(
             "tooleffect_redis_cluster needs a Redis broker: dead letters are kept in the "
             "broker's Redis, and cannot be kept in a cluster"
         )
     if redis_cluster and not conf.get("tooleffect_redis_url"):
-        raise ValueError(
+        raise ConfigurationError(
             "tooleffect_redis_cluster needs tooleffect_redis_url (a node of the cluster): "
             "the broker's Redis cannot be a cluster"
         )
     privacy = str(get("tooleffect_privacy")).lower()
     if privacy not in PRIVACY_LEVELS:
-        raise ValueError(f"tooleffect_privacy must be one of {PRIVACY_LEVELS}, not {privacy!r}")
+        raise ConfigurationError(
+            f"tooleffect_privacy must be one of {PRIVACY_LEVELS}, not {privacy!r}"
+        )
     return Settings(
         redis_url=str(redis_url),
         broker_url=broker_url,
@@ -155,6 +160,7 @@ def _read(app: Celery) -> Settings:
             if conf.get("tooleffect_heartbeat_interval") else None
         ),
         rabbitmq_consumer_timeout=float(get("tooleffect_rabbitmq_consumer_timeout")),
+        reconcile_timeout=float(get("tooleffect_reconcile_timeout")),
         broker_transport_options=transport_options,
         redis_cluster=redis_cluster,
         default_queue=str(conf.task_default_queue or "celery"),

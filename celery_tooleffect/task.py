@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from celery import Task
@@ -24,6 +24,7 @@ from .errors import (
     ToolContextError,
     ToolDeclarationError,
 )
+from .reconciliation import Reconciliation
 from .settings import refuse_unknown_settings
 from .store.runtime import ToolRuntime, runtime_for
 from .worker.attempt import (
@@ -61,6 +62,7 @@ PROTECTED_OPTIONS = frozenset(
         "Strategy",
         "__call__",
         "run",
+        "reconcile",
     }
 )
 
@@ -74,6 +76,11 @@ class ToolTask(Task):  # type: ignore[misc]
     operation_deadline: ClassVar[float | None] = None
     #: Whether the tool reaches outside the system (MCP ``openWorldHint``).
     open_world: ClassVar[bool] = True
+    #: A NON_IDEMPOTENT_WRITE's answer to "did the interrupted attempt's write
+    #: happen?": ``reconcile(self, *args, **kwargs) -> Reconciliation`` (a
+    #: method, or the ``reconcile=`` option of ``@app.task``); None: it cannot
+    #: tell, and an interrupted write is a dead letter.
+    reconcile: ClassVar[Callable[..., Reconciliation] | None] = None
 
     abstract = True
     acks_late = True

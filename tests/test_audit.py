@@ -8,7 +8,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_tooleffect import AuditLog, ToolEffect, ToolTask
+from celery_tooleffect import AuditLog, ConfigurationError, ToolEffect, ToolTask
 from celery_tooleffect.events import EVENT_FIELDS
 from tests.conftest import RedisServer, running_worker
 
@@ -97,7 +97,7 @@ def test_redacted_and_full_privacy(make_app: Callable[..., Celery], privacy: str
 
 def test_an_unknown_privacy_level_is_refused(make_app: Callable[..., Celery]) -> None:
     app = make_app(tooleffect_privacy="everything")
-    with pytest.raises(ValueError, match="tooleffect_privacy"):
+    with pytest.raises(ConfigurationError, match="tooleffect_privacy"):
         AuditLog(app)
 
 

@@ -25,7 +25,7 @@ import redis
 from celery import Celery
 from redis.cluster import RedisCluster
 
-from celery_tooleffect import AuditLog, DeadLetters, ToolEffect, ToolTask
+from celery_tooleffect import AuditLog, ConfigurationError, DeadLetters, ToolEffect, ToolTask
 from celery_tooleffect.store.audit import StepContext
 from celery_tooleffect.store.journal import Journal, JournalRef
 from celery_tooleffect.store.keys import Keys
@@ -231,8 +231,8 @@ def test_a_cluster_store_needs_a_redis_broker_and_its_own_url(
 ) -> None:
     app = make_app(broker_url="memory://", tooleffect_redis_cluster=True,
                    tooleffect_redis_url="redis://127.0.0.1:7000/0")
-    with pytest.raises(ValueError, match="tooleffect_redis_cluster needs a Redis broker"):
+    with pytest.raises(ConfigurationError, match="tooleffect_redis_cluster needs a Redis broker"):
         AuditLog(app)
     app = make_app(tooleffect_redis_cluster=True)
-    with pytest.raises(ValueError, match="needs tooleffect_redis_url"):
+    with pytest.raises(ConfigurationError, match="needs tooleffect_redis_url"):
         AuditLog(app)

@@ -99,6 +99,7 @@ class Journal:
         lease_end: float,
         attempts_allowed: int,
         event: AuditEvent,
+        resume_interrupted: bool = False,
     ) -> Begin:
         """Record the intent of an attempt, or say why this delivery must not run.
 
@@ -107,6 +108,8 @@ class Journal:
         the global stream is not sent here: pass ``Begin.intent_event`` as
         ``earlier_copy`` to the transition that records the outcome (or to
         ``AuditLog.copy_to_global``), so a write costs one round trip less.
+        ``resume_interrupted``: the tool reconciled an interrupted attempt and
+        found its write not applied, so a NON_IDEMPOTENT_WRITE may start again.
         """
         keys = self._keys(ref)
         args: list[str | int] = [
@@ -117,6 +120,7 @@ class Journal:
             attempts_allowed,
             self.settings.journal_ttl,
             self.settings.run_stream_maxlen,
+            "1" if resume_interrupted else "0",
             *flatten(event),
         ]
         try:

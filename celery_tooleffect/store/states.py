@@ -7,6 +7,8 @@ that every state, verdict and effect literal in the scripts is one of them.
 States of a task's entry::
 
     absent --begin_attempt--> running --settle--> succeeded
+    interrupted --reconciled: applied--> succeeded
+    interrupted --reconciled: not applied--> running (a new attempt)
                                  |  \\--settle--> retry_scheduled --begin_attempt--> running
                                  |   \\--settle--> failed            (interactive runs)
                                  |----lease lapsed / worker lost--> interrupted
@@ -107,6 +109,8 @@ DEAD_LETTER_UNOWNED_FROM = DEAD_LETTER_FROM - {S.RUNNING}
 FINISH_DEAD_LETTER_FROM = frozenset({S.DEAD_LETTERING})
 #: A worker that lost the pool child running the attempt says so.
 INTERRUPT_FROM = frozenset({S.RUNNING})
+#: A tool's ``reconcile`` found an interrupted write applied: it succeeded.
+RECONCILED_FROM = frozenset({S.INTERRUPTED})
 #: A revoked or expired task ends without running from these: no attempt of
 #: it runs now (an interrupted NON_IDEMPOTENT_WRITE becomes a dead letter
 #: instead, as its next delivery would make it).
@@ -127,7 +131,7 @@ BEGIN_FROM = frozenset(
 #: diagram above, checked against the sets by ``tests/test_states.py``.
 TRANSITIONS: dict[JournalState, frozenset[JournalState]] = {
     S.RUNNING: BEGIN_FROM,
-    S.SUCCEEDED: SUCCEED_FROM,
+    S.SUCCEEDED: SUCCEED_FROM | RECONCILED_FROM,
     S.RETRY_SCHEDULED: SETTLE_FROM,
     S.FAILED: SETTLE_FROM,
     S.INTERRUPTED: INTERRUPT_FROM,

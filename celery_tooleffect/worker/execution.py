@@ -24,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -41,11 +42,13 @@ from ..errors import (
     InterruptedWrite,
     LeaseLost,
     LeaseNotSecured,
+    ReconcileFailed,
     RetriesExhausted,
     StoreUnavailable,
 )
 from ..events import AuditEvent
 from ..failures import FailureClass
+from ..reconciliation import ReconcileStatus, Reconciliation
 from ..store import states
 from ..store.audit import describe_payload
 from ..store.dead_letters import DeadLetterReason
@@ -220,6 +223,8 @@ class Execution:
         attempt, runtime = self.attempt, self.runtime
         plan = self._lease_plan()
         begin = self._begin(plan)
+        if isinstance(begin, Reconciliation):
+            return begin.result  # the interrupted attempt's write happened
         setattr(self.request, FENCING_TOKEN_FIELD, begin.fencing_token)
         number = begin.attempt
         started = time.monotonic()
@@ -324,8 +329,10 @@ class Execution:
             deadline_end=plan.deadline_end, interval=plan.interval, on_failure=lease_failed,
         )
 
-    def _begin(self, plan: LeasePlan) -> Begin:
-        """Record the intent of a write, or end this delivery without running it."""
+    def _begin(self, plan: LeasePlan, *, resume: bool = False) -> Begin | Reconciliation:
+        """Record the intent of a write, or end this delivery without running it;
+        for an interrupted NON_IDEMPOTENT_WRITE whose tool reconciles, what its
+        ``reconcile`` found applied (``resume``: it found the write not applied)."""
         attempt, runtime = self.attempt, self.runtime
         lease_note = {} if plan.broker_lease is None else {
             "lease_until": f"{plan.deadline_end:.3f}"
@@ -337,6 +344,7 @@ class Execution:
                 effect=attempt.effect.value,
                 lease_end=plan.journal_lease_end,
                 attempts_allowed=self.policy.attempts_allowed,
+                resume_interrupted=resume,
                 event=attempt.context.event(
                     "intent", "started", payload={**self._payload(), **lease_note},
                     idempotency_key=attempt.idempotency_key,
@@ -366,14 +374,7 @@ class Execution:
         if verdict is Verdict.DEAD_LETTERING:
             raise self._finish_dead_letter(begin)
         if verdict is Verdict.INTERRUPTED:
-            raise self._dead_letter(
-                DeadLetterReason.INTERRUPTED_WRITE,
-                InterruptedWrite(
-                    f"{self.label} started and never finished; "
-                    "a non-idempotent write is never run twice"
-                ),
-                FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
-            )
+            return self._reconcile(begin, plan)
         # Verdict.EXHAUSTED: earlier attempts spent the retry budget (the
         # journal counted how they ended).
         raise self._dead_letter(
@@ -384,6 +385,77 @@ class Execution:
             )),
             FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
         )
+
+    def _reconcile(self, begin: Begin, plan: LeasePlan) -> Begin | Reconciliation:
+        """An interrupted NON_IDEMPOTENT_WRITE: ask the tool's ``reconcile``
+        whether its write happened, and end as it says.
+
+        Applied: the journal settles SUCCEEDED with the tool's result, returned
+        here (the body does not run). Not applied: a new attempt begins (the
+        body runs, within the retry budget). Unknown, an error, a timeout, or
+        no ``reconcile``: a dead letter INTERRUPTED_WRITE, as without it.
+        """
+        attempt, runtime = self.attempt, self.runtime
+        check = reconciler(self.tool)
+        interrupted = f"{self.label} started and never finished"
+        if check is None:
+            raise self._dead_letter(
+                DeadLetterReason.INTERRUPTED_WRITE,
+                InterruptedWrite(f"{interrupted}; a non-idempotent write is never run twice"),
+                FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
+            )
+        started = time.monotonic()
+        answer, problem = ask(check, self.tool, self.request, self.args, self.kwargs,
+                              timeout=runtime.settings.reconcile_timeout)
+        status = ReconcileStatus.FAILED if answer is None else answer.status
+        evidence = answer.evidence if answer is not None else f"{type(problem).__name__}"
+        failure_class = None if problem is None else runtime.classifier.classify(problem)
+        runtime.audit.record_step(attempt.context.event(
+            "reconcile", status.value, attempt=begin.attempt, duration_ms=_ms_since(started),
+            exception=problem, failure_class=failure_class,
+            payload=describe_payload(runtime.settings.privacy, evidence=evidence),
+        ))
+        if answer is not None and answer.status is ReconcileStatus.APPLIED:
+            return self._settle_reconciled(answer, begin)
+        if answer is not None and answer.status is ReconcileStatus.NOT_APPLIED:
+            return self._begin(plan, resume=True)
+        why = (f"its reconcile answered unknown ({answer.evidence or 'no evidence'})"
+               if answer is not None
+               else f"its reconcile failed: {type(problem).__name__}: {problem}")
+        raise self._dead_letter(
+            DeadLetterReason.INTERRUPTED_WRITE,
+            InterruptedWrite(f"{interrupted}, and {why}; a non-idempotent write is "
+                             "never run twice without knowing"),
+            FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
+        )
+
+    def _settle_reconciled(self, answer: Reconciliation, begin: Begin) -> Reconciliation:
+        """The interrupted write happened: record its success with the tool's result."""
+        attempt = self.attempt
+        event = attempt.context.event(
+            "outcome", "succeeded", attempt=begin.attempt, reconciled="1",
+            payload=self._payload(result=answer.result),
+        )
+        try:
+            moved = self.runtime.journal.transition(
+                attempt.ref, new_state=JournalState.SUCCEEDED,
+                allowed=states.RECONCILED_FROM, token="", event=event,
+            )
+        except StoreUnavailable as store_down:
+            not_recorded = IntentNotRecorded(
+                f"{self.label}: reconciled as applied, but that could not be recorded: "
+                f"{store_down}"
+            )
+            if attempt.interactive:
+                raise not_recorded from store_down
+            # Nothing ran: the next delivery reconciles again.
+            raise self._after_failure(
+                not_recorded, FailureClass.CONNECTION, attempt.retries + 1, body_started=False,
+            )
+        if not moved:
+            # Another delivery settled or resumed it meanwhile: that one ends it.
+            raise LeaseLost(f"{self.label}: settled by another delivery while reconciling")
+        return answer
 
     # -- endings: each returns the exception that ends the call ----------------
 
@@ -565,6 +637,53 @@ class Execution:
         return describe_payload(
             self.runtime.settings.privacy, args=self.args, kwargs=self.kwargs, **values
         )
+
+
+def reconciler(tool: Any) -> Callable[..., Any] | None:
+    """The tool's ``reconcile``, if it declares one
+    (see :mod:`celery_tooleffect.reconciliation`)."""
+    check = getattr(tool, "reconcile", None)
+    return check if callable(check) else None
+
+
+def ask(
+    check: Callable[..., Any], tool: Any, request: Context, args: tuple[Any, ...],
+    kwargs: dict[str, Any], *, timeout: float,
+) -> tuple[Reconciliation | None, BaseException | None]:
+    """Call ``check(*args, **kwargs)`` for at most ``timeout`` seconds: its
+    answer, or None and why there is none (it raised, timed out, or answered
+    something that is not a :class:`Reconciliation`).
+
+    It runs on a thread of its own, which sees the call's request (Celery
+    keeps ``task.request`` per thread), so ``self.idempotency_key`` works in
+    it. A call that outlives its timeout is left to finish on its daemon
+    thread; its answer is ignored.
+    """
+    answers: list[Any] = []
+
+    def call() -> None:
+        tool.request_stack.push(request)
+        try:
+            answers.append(check(*args, **kwargs))
+        except BaseException as exc:
+            answers.append(exc)
+        finally:
+            tool.request_stack.pop()
+
+    thread = threading.Thread(target=call, name="tooleffect-reconcile", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not answers:
+        return None, ReconcileFailed(f"reconcile did not answer within {timeout:g}s")
+    answer = answers[0]
+    if isinstance(answer, Reconciliation):
+        return answer, None
+    if isinstance(answer, BaseException):
+        return None, answer
+    return None, ReconcileFailed(
+        f"reconcile answered {type(answer).__name__}, not a Reconciliation "
+        "(Reconciliation.applied / not_applied / unknown)"
+    )
 
 
 def _requested_retry_event(attempt: Attempt, number: int, requested: Retry) -> AuditEvent:

@@ -69,6 +69,7 @@ from .attempt import (
     forged_headers,
     new_token,
 )
+from .execution import reconciler
 from .letters import PendingLetter, begin_dead_letter, build_letter, finish_dead_letter
 from .strategy import check_request, request_built
 
@@ -210,8 +211,13 @@ class ToolRequest(Request):  # type: ignore[misc]
         else:
             runtime.audit.record_step(event)
 
-        if attempt.effect is ToolEffect.NON_IDEMPOTENT_WRITE and body_started:
+        if (attempt.effect is ToolEffect.NON_IDEMPOTENT_WRITE and body_started
+                and reconciler(self.task) is None):
             self._dead_letter(attempt, DeadLetterReason.INTERRUPTED_WRITE, exc, event)
+        elif attempt.effect is ToolEffect.NON_IDEMPOTENT_WRITE and body_started:
+            # The tool can tell whether the write happened: its next delivery
+            # finds the journal interrupted and asks it (execution._reconcile).
+            self._run_again(attempt, exc)
         elif attempt.retries >= (budget := self.task.retry_policy.budget):
             self._dead_letter(
                 attempt, DeadLetterReason.RETRIES_EXHAUSTED,

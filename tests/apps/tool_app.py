@@ -7,7 +7,8 @@ counters and, on a RabbitMQ broker, of the results; default the broker),
 TE_SOCKET_TIMEOUT, TE_HEARTBEAT (``tooleffect_heartbeat_interval``),
 TE_QUEUE_TYPE and TE_DELIVERY_LIMIT (a RabbitMQ quorum queue),
 TE_BROKER_HEARTBEAT (``broker_heartbeat``), TE_CONSUMER_TIMEOUT
-(``tooleffect_rabbitmq_consumer_timeout``). Each
+(``tooleffect_rabbitmq_consumer_timeout``), TE_RECONCILE_TIMEOUT
+(``tooleffect_reconcile_timeout``). Each
 body counts its executions, records the pid of the process running it, and
 holds until released or its hold ends.
 """
@@ -20,7 +21,7 @@ import time
 import redis
 from celery import Celery
 
-from celery_tooleffect import ToolEffect, ToolTask
+from celery_tooleffect import Reconciliation, ToolEffect, ToolTask
 from tests.conftest import app_config, rabbitmq_queues
 
 PREFIX = os.environ["TE_PREFIX"]
@@ -48,6 +49,7 @@ app.conf.update(
         tooleffect_heartbeat_interval=float(os.environ.get("TE_HEARTBEAT") or 0) or None,
         tooleffect_rabbitmq_consumer_timeout=float(
             os.environ.get("TE_CONSUMER_TIMEOUT") or 1800),
+        tooleffect_reconcile_timeout=float(os.environ.get("TE_RECONCILE_TIMEOUT") or 30),
         # AMQP heartbeats (seconds): how soon RabbitMQ notices a silent worker.
         broker_heartbeat=float(os.environ.get("TE_BROKER_HEARTBEAT") or 120),
         worker_hijack_root_logger=True,
@@ -122,3 +124,55 @@ def write_offline(key: str, hold: float = 0.0) -> str:
     counters.incr(f"{PREFIX}count:{key}")
     time.sleep(hold)
     return key
+
+
+# -- a write that reconciles: a provider stand-in deduplicating by key -------------
+
+
+def provider_charge(tool: ToolTask) -> str:
+    """The provider's record of the charge made under this task's idempotency key."""
+    return f"{PREFIX}provider:{tool.idempotency_key}"
+
+
+def find_charge(self: ToolTask, key: str, hold: float = 0.0, when: str = "after",
+                answer: str = "lookup") -> Reconciliation:
+    """Asks the provider stand-in whether the charge was made (``answer``:
+    ``lookup``, or ``raise``, ``unknown``, ``slow``, ``nonsense`` to misbehave)."""
+    counters.incr(f"{PREFIX}reconciled:{key}")
+    if answer == "raise":
+        raise LookupError("the provider's search is down")
+    if answer == "unknown":
+        return Reconciliation.unknown(evidence="the provider keeps no record of keys")
+    if answer == "slow":
+        time.sleep(60)
+    if answer == "nonsense":
+        return "yes"  # type: ignore[return-value]
+    charge = counters.get(provider_charge(self))
+    if charge is None:
+        return Reconciliation.not_applied(evidence="no charge under this key")
+    return Reconciliation.applied(charge.decode(), evidence=f"charge {charge.decode()}")
+
+
+@app.task(base=ToolTask, bind=True, name="tools.charge",
+          effect=ToolEffect.NON_IDEMPOTENT_WRITE, reconcile=find_charge)
+def charge(self: ToolTask, key: str, hold: float = 0.0, when: str = "after",
+           answer: str = "lookup") -> str:
+    """Charges once per idempotency key; the first run holds ``hold`` seconds
+    after (``when="after"``) or before (``"before"``) the charge."""
+    runs = counters.incr(f"{PREFIX}count:{key}")
+    counters.rpush(f"{PREFIX}started:{key}", os.getpid())
+    charge_id = f"ch-{key}-{runs}"
+
+    def make_charge() -> None:
+        if counters.set(provider_charge(self), charge_id, nx=True):
+            counters.incr(f"{PREFIX}charges:{key}")
+
+    if when == "after":
+        make_charge()
+    if runs == 1:
+        deadline = time.monotonic() + hold
+        while time.monotonic() < deadline and not counters.exists(f"{PREFIX}release:{key}"):
+            time.sleep(0.02)
+    if when == "before":
+        make_charge()
+    return str(counters.get(provider_charge(self)).decode())

@@ -6,10 +6,14 @@
 -- ARGV[1] owner token        ARGV[2] now (unix seconds, float)
 -- ARGV[3] lease end          ARGV[4] effect
 -- ARGV[5] attempts allowed   ARGV[6] ttl seconds
--- ARGV[7] stream MAXLEN      ARGV[8..] event field/value pairs
+-- ARGV[7] stream MAXLEN
+-- ARGV[8] '1' when the tool reconciled an interrupted attempt and found its
+--         write not applied: a non-idempotent write may then start again
+-- ARGV[9..] event field/value pairs
 --
 -- Returns {verdict, attempt, detail}:
---   started         the body may run (detail: 'new' or 'reclaimed'), then also
+--   started         the body may run (detail: 'new', 'reclaimed' or
+--                   'reconciled'), then also
 --                   the attempt's fencing token: the entry's 'fence' counter,
 --                   raised by one for each attempt started and never reset
 --                   (a replay keeps it), recorded in the intent event
@@ -25,7 +29,8 @@
 local journal, stream, seq = KEYS[1], KEYS[2], KEYS[3]
 local token, now, lease_end = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local effect, allowed, ttl, maxlen = ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
-local fields = slice(ARGV, 8, #ARGV)
+local resume = ARGV[8] == '1'
+local fields = slice(ARGV, 9, #ARGV)
 
 local current = redis.call('HMGET', journal, 'state', 'attempt', 'owner', 'lease_end', 'reason',
   'fence')
@@ -67,15 +72,15 @@ if state == 'running' then
   redis.call('EXPIRE', journal, ttl)
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'interrupted', status = 'lease_lapsed', attempt = attempt})
-  if effect == 'non_idempotent_write' then
+  if effect == 'non_idempotent_write' and not resume then
     return {'interrupted', attempt, 'lease_lapsed'}
   end
-  detail = 'reclaimed'
+  detail = resume and 'reconciled' or 'reclaimed'
 elseif state == 'interrupted' then
-  if effect == 'non_idempotent_write' then
+  if effect == 'non_idempotent_write' and not resume then
     return {'interrupted', attempt, 'interrupted'}
   end
-  detail = 'reclaimed'
+  detail = resume and 'reconciled' or 'reclaimed'
 end
 
 if attempt >= allowed then

@@ -1,0 +1,140 @@
+"""Reconciliation of interrupted NON_IDEMPOTENT_WRITEs, with real workers and SIGKILL.
+
+``tools.charge`` (tests/apps/tool_app.py) charges a provider stand-in that
+deduplicates by the task's idempotency key, and declares ``reconcile``, which
+asks that provider. Its pool child (or whole worker) is killed in the body:
+the next delivery asks the tool instead of dead-lettering the write.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_tooleffect import AuditLog, DeadLetters
+from tests.conftest import Counter, WorkerProcess, on_broker, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def started_pids(client: redis.Redis, prefix: str, key: str) -> list[int]:
+    return [int(pid) for pid in client.lrange(f"{prefix}started:{key}", 0, -1)]
+
+
+def charges(client: redis.Redis, prefix: str, key: str) -> int:
+    return int(client.get(f"{prefix}charges:{key}") or 0)
+
+
+def reconcile_events(app: Celery, run_id: str) -> list[dict[str, str]]:
+    return [e for e in AuditLog(app).events(run_id) if e["phase"] == "reconcile"]
+
+
+def kill_child_mid_body(main_redis: redis.Redis, prefix: str, key: str,
+                        worker: WorkerProcess) -> None:
+    child = wait_for(lambda: started_pids(main_redis, prefix, key), what="the body to start")[0]
+    assert child != worker.process.pid
+    os.kill(child, signal.SIGKILL)
+
+
+@pytest.fixture
+def app(make_app: Callable[..., Celery], prefix: str, broker_url: str) -> Celery:
+    return make_app(**on_broker(prefix, broker_url))
+
+
+def test_a_write_that_happened_is_settled_applied_and_its_chain_goes_on(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], counter: Counter,
+    main_redis: redis.Redis, prefix: str, broker_url: str,
+) -> None:
+    worker = spawn_worker(concurrency=1, broker_url=broker_url)
+    key, after = uuid.uuid4().hex[:8], uuid.uuid4().hex[:8]
+    workflow = (app.signature("tools.charge", args=[key, 60, "after"], queue="tools")
+                | app.signature("tools.read", args=[after], immutable=True, queue="tools"))
+    result = workflow.apply_async()
+    charged = result.parent
+    kill_child_mid_body(main_redis, prefix, key, worker)
+
+    assert charged.get(timeout=60) == f"ch-{key}-1"
+    assert result.get(timeout=60) == after  # the chain went on
+    assert counter.value(key) == 1  # the body ran once
+    assert charges(main_redis, prefix, key) == 1
+    assert counter.value(after) == 1
+    [event] = reconcile_events(app, charged.id)
+    assert event["status"] == "applied" and "evidence_size" in event
+    outcome = [e for e in AuditLog(app).events(charged.id)  # the chain's run
+               if e["phase"] == "outcome" and e["task_id"] == charged.id]
+    assert [(e["status"], e.get("reconciled")) for e in outcome] == [("succeeded", "1")]
+    assert DeadLetters(app).get(charged.id) is None
+
+
+def test_a_write_that_did_not_happen_runs_again_once(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], counter: Counter,
+    main_redis: redis.Redis, prefix: str, broker_url: str,
+) -> None:
+    worker = spawn_worker(concurrency=1, broker_url=broker_url)
+    key = uuid.uuid4().hex[:8]
+    result = app.send_task("tools.charge", args=[key, 60, "before"], queue="tools")
+    kill_child_mid_body(main_redis, prefix, key, worker)
+
+    assert result.get(timeout=60) == f"ch-{key}-2"
+    assert counter.value(key) == 2  # killed before charging, then run again
+    assert charges(main_redis, prefix, key) == 1  # one charge in the end
+    assert [e["status"] for e in reconcile_events(app, result.id)] == ["not_applied"]
+    intents = [e for e in AuditLog(app).events(result.id) if e["phase"] == "intent"]
+    assert [e.get("reclaimed") for e in intents] == ["new", "reconciled"]
+    assert [int(e["fencing_token"]) for e in intents] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("answer", "status", "why"),
+    [
+        ("unknown", "unknown", "answered unknown"),
+        ("raise", "failed", "LookupError"),
+        ("slow", "failed", "did not answer within 2s"),
+        ("nonsense", "failed", "not a Reconciliation"),
+    ],
+)
+def test_a_write_nobody_can_tell_about_stays_a_dead_letter(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], counter: Counter,
+    main_redis: redis.Redis, prefix: str, broker_url: str, answer: str, status: str,
+    why: str,
+) -> None:
+    worker = spawn_worker(concurrency=1, broker_url=broker_url, TE_RECONCILE_TIMEOUT="2")
+    key = uuid.uuid4().hex[:8]
+    result = app.send_task("tools.charge", args=[key, 60, "after", answer], queue="tools")
+    kill_child_mid_body(main_redis, prefix, key, worker)
+
+    letter = wait_for(lambda: DeadLetters(app).get(result.id), timeout=60,
+                      what="the dead letter\n" + worker.output()[-3000:])
+    assert letter.reason == "interrupted_write"
+    assert why in letter.error
+    wait_for(lambda: result.state == "FAILURE", what="FAILURE on the backend")
+    assert counter.value(key) == 1  # never run twice without knowing
+    assert [e["status"] for e in reconcile_events(app, result.id)] == [status]
+
+
+def test_a_redelivery_after_the_whole_worker_died_is_reconciled(
+    make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
+    counter: Counter, main_redis: redis.Redis, prefix: str, broker_url: str,
+) -> None:
+    visibility_timeout = 3.0
+    app = make_app(**on_broker(prefix, broker_url, visibility_timeout=visibility_timeout))
+    first = spawn_worker(concurrency=1, visibility_timeout=visibility_timeout,
+                         broker_url=broker_url)
+    key = uuid.uuid4().hex[:8]
+    result: Any = app.send_task("tools.charge", args=[key, 60, "after"], queue="tools")
+    wait_for(lambda: started_pids(main_redis, prefix, key), what="the body to start")
+    first.kill()  # nothing can settle the attempt: the journal lease lapses
+
+    second = spawn_worker(concurrency=1, visibility_timeout=visibility_timeout,
+                          broker_url=broker_url)
+    assert result.get(timeout=90) == f"ch-{key}-1", second.output()[-3000:]
+    assert counter.value(key) == 1
+    assert charges(main_redis, prefix, key) == 1
+    assert [e["status"] for e in reconcile_events(app, result.id)] == ["applied"]
