@@ -8,10 +8,14 @@ the next delivery asks the tool instead of dead-lettering the write.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,9 +23,11 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters
-from tests.conftest import Counter, WorkerProcess, on_broker, wait_for
+from tests.conftest import REDIS_URL, Counter, WorkerProcess, on_broker, wait_for
 
 pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def started_pids(client: redis.Redis, prefix: str, key: str) -> list[int]:
@@ -138,3 +144,89 @@ def test_a_redelivery_after_the_whole_worker_died_is_reconciled(
     assert counter.value(key) == 1
     assert charges(main_redis, prefix, key) == 1
     assert [e["status"] for e in reconcile_events(app, result.id)] == ["applied"]
+
+
+# -- by an operator: celery-tooleffect dlq reconcile ---------------------------------
+
+
+def operator_reconcile(prefix: str, broker_url: str, *arguments: str) -> dict[str, Any]:
+    """``celery-tooleffect -A tests.apps.tool_app dlq reconcile ... --json``, as an
+    operator runs it: the tool app (its tools, their reconcile) is imported."""
+    env = dict(os.environ, TE_PREFIX=prefix, TE_BROKER=broker_url, TE_COUNTERS=REDIS_URL,
+               TE_VT="60", TE_STORE="")
+    done = subprocess.run(
+        [sys.executable, "-m", "celery_tooleffect.admin.cli", "-A", "tests.apps.tool_app",
+         "dlq", "reconcile", *arguments, "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.stdout, done.stderr
+    report: dict[str, Any] = json.loads(done.stdout)
+    report["exit_code"] = done.returncode
+    return report
+
+
+def dead_lettered_charge(
+    app: Celery, worker: WorkerProcess, main_redis: redis.Redis, prefix: str, when: str,
+) -> tuple[str, Any]:
+    """A charge killed mid-body whose reconcile first answers unknown: a dead letter."""
+    key = uuid.uuid4().hex[:8]
+    result = app.send_task("tools.charge", args=[key, 60, when, "unknown_once"], queue="tools")
+    kill_child_mid_body(main_redis, prefix, key, worker)
+    letter = wait_for(lambda: DeadLetters(app).get(result.id), timeout=60,
+                      what="the dead letter\n" + worker.output()[-3000:])
+    assert letter.reason == "interrupted_write"
+    return key, result
+
+
+def test_an_operator_settles_a_letter_whose_write_happened(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], counter: Counter,
+    main_redis: redis.Redis, prefix: str, broker_url: str,
+) -> None:
+    worker = spawn_worker(concurrency=1, broker_url=broker_url)
+    key, result = dead_lettered_charge(app, worker, main_redis, prefix, "after")
+
+    report = operator_reconcile(prefix, broker_url, result.id)
+    [done] = report["results"]
+    assert (done["outcome"], report["exit_code"]) == ("done", 0), report
+    assert "applied" in done["message"]
+    assert DeadLetters(app).get(result.id) is None
+    assert app.AsyncResult(result.id).get(timeout=10) == f"ch-{key}-1"
+    assert counter.value(key) == 1 and charges(main_redis, prefix, key) == 1
+    events = reconcile_events(app, result.id)
+    assert [(e["status"], e.get("via", "worker")) for e in events] == [
+        ("unknown", "worker"), ("applied", "cli")]
+
+
+def test_an_operator_replays_a_letter_whose_write_did_not_happen(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], counter: Counter,
+    main_redis: redis.Redis, prefix: str, broker_url: str,
+) -> None:
+    worker = spawn_worker(concurrency=1, broker_url=broker_url)
+    key, result = dead_lettered_charge(app, worker, main_redis, prefix, "before")
+
+    report = operator_reconcile(prefix, broker_url, result.id)
+    [done] = report["results"]
+    assert done["outcome"] == "done" and "not_applied" in done["message"], report
+    wait_for(lambda: counter.value(key) == 2, timeout=60, what="the replayed run")
+    wait_for(lambda: app.AsyncResult(result.id).state == "SUCCESS", timeout=60,
+             what="SUCCESS after the replay")
+    assert app.AsyncResult(result.id).result == f"ch-{key}-2"
+    assert charges(main_redis, prefix, key) == 1
+
+
+def test_an_operator_cannot_reconcile_a_tool_that_cannot_tell(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], main_redis: redis.Redis,
+    prefix: str, broker_url: str,
+) -> None:
+    worker = spawn_worker(concurrency=1, broker_url=broker_url)
+    key = uuid.uuid4().hex[:8]
+    result = app.send_task("tools.write", args=[key, 60], queue="tools")
+    kill_child_mid_body(main_redis, prefix, key, worker)
+    wait_for(lambda: DeadLetters(app).get(result.id), timeout=60, what="the dead letter")
+
+    report = operator_reconcile(prefix, broker_url, result.id, "no-such-task")
+    outcomes = [(r["task_id"], r["outcome"]) for r in report["results"]]
+    assert outcomes == [(result.id, "refused"), ("no-such-task", "not_found")]
+    assert report["exit_code"] != 0
+    assert "declares no reconcile" in report["results"][0]["message"]
+    assert DeadLetters(app).get(result.id) is not None

@@ -96,7 +96,7 @@ def test_every_state_is_reachable_and_drawn_in_the_diagram() -> None:
         assert re.search(rf"\b{state.value}\b", diagram), f"{state.value} not in the diagram"
 
 
-def test_settled_states_are_left_only_by_a_replay() -> None:
+def test_settled_states_are_left_only_by_a_replay_or_a_reconciliation() -> None:
     for target, sources in states.TRANSITIONS.items():
         if target is not JournalState.REPLAYED:
             assert not sources & {JournalState.SUCCEEDED, JournalState.NOT_RUN}, target

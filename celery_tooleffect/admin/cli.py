@@ -410,6 +410,39 @@ def dlq_purge(ctx: click.Context, task_ids: tuple[str, ...], purge_all: bool,
     _report(results, as_json, "purged")
 
 
+@dlq.command("reconcile")
+@click.argument("task_ids", nargs=-1)
+@click.option("--all", "reconcile_all", is_flag=True,
+              help="Every dead letter matching the filters (those that cannot be "
+                   "reconciled are refused).")
+@_filters
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the documentation).")
+@click.pass_context
+def dlq_reconcile(ctx: click.Context, task_ids: tuple[str, ...], reconcile_all: bool,
+                  queue: str | None, dead_letter_reason: str | None,
+                  failure_class: str | None, effect: str | None, as_json: bool) -> None:
+    """Ask each dead letter's tool whether its write happened (its reconcile), and
+    end it so: applied settles SUCCESS, not applied replays it (a revoked one
+    stays), unknown leaves it. Audited, with the evidence."""
+    if reconcile_all and task_ids:
+        raise click.UsageError("give task ids or --all, not both")
+    if not reconcile_all and not task_ids:
+        raise click.UsageError("give at least one task id, or --all")
+    if not reconcile_all and (queue or failure_class or effect or dead_letter_reason):
+        raise click.UsageError("filters go with --all")
+    from ..admin.operations import default_actor
+
+    operations = _operations(ctx)
+    actor = default_actor()
+    if reconcile_all:
+        results: Iterable[ActionResult] = operations.reconcile_matching(
+            _query(queue, dead_letter_reason, failure_class, effect), actor=actor
+        )
+    else:
+        results = (operations.reconcile(task_id, actor=actor) for task_id in task_ids)
+    _report(results, as_json, "reconciled")
+
+
 def _confirm(question: str, yes: bool) -> None:
     if yes:
         return

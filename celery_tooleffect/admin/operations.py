@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import logging
 import os
 import socket
 import time
@@ -54,10 +55,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from celery.app.task import Context
+
 from ..choices import Choice
 from ..effect import ToolEffect
 from ..errors import StoreUnavailable, ToolEffectError
 from ..events import AuditEvent
+from ..reconciliation import ReconcileStatus, Reconciliation
 from ..store import states
 from ..store.audit import MASK, describe_payload, worker_identity
 from ..store.chords import chord_member, chord_refusal
@@ -71,10 +75,13 @@ from ..store.envelope import shown
 from ..store.journal import JournalRef
 from ..store.runtime import ToolRuntime, runtime_for
 from ..store.states import JournalState
-from ..worker.attempt import RUN_ID_HEADER
+from ..worker.attempt import IDEMPOTENCY_KEY_FIELD, RUN_ID_HEADER, idempotency_key
+from ..worker.execution import ask, reconciler
 
 if TYPE_CHECKING:
     from celery import Celery
+
+logger = logging.getLogger(__name__)
 
 #: Environment variable naming who acts, for the audit (default: user@host).
 ACTOR_ENV = "TOOLEFFECT_ACTOR"
@@ -112,7 +119,7 @@ class Outcome(Choice):
 
 @dataclass(frozen=True)
 class ActionResult:
-    """The result of replaying or purging one task."""
+    """The result of replaying, purging or reconciling one task."""
 
     task_id: str
     action: str
@@ -492,6 +499,117 @@ class DeadLetterOperations:
             for task_id in batch:
                 yield self.replay(task_id, actor=actor, reason=reason, bulk=True, via=via)
 
+    # -- reconcile ---------------------------------------------------------------
+
+    def reconcile(self, task_id: str, *, actor: str, via: str = "cli") -> ActionResult:
+        """Ask the tool of one dead letter whether its write happened, and end it so.
+
+        For a letter whose write may have happened (``interrupted_write``,
+        ``revoked``, or an outcome that could not be recorded) of a tool that
+        declares ``reconcile`` (registered in this app). Applied: the journal
+        and the result backend say SUCCESS with the tool's result, and the
+        letter is removed (the message's callbacks are not run: the workflow
+        broke when the letter was made). Not applied: the letter is replayed,
+        except a ``revoked`` one, which someone chose to stop. Unknown, or a
+        ``reconcile`` that fails or times out: the letter stays. Audited
+        (phase ``reconcile``) with the evidence.
+        """
+        runtime = self.runtime
+        try:
+            letter = runtime.dead_letters.get(task_id)
+        except StoreUnavailable as exc:
+            return ActionResult(task_id, "reconcile", Outcome.FAILED,
+                                f"{task_id}: not reconciled: {exc}")
+        if letter is None:
+            return ActionResult(task_id, "reconcile", Outcome.NOT_FOUND,
+                                f"{task_id}: no such dead letter")
+        tool = self.app.tasks.get(letter.name)
+        check = reconciler(tool)
+        refusal = reconcile_refusal(letter, declared=check is not None)
+        if refusal or check is None:
+            return self._result(letter, "reconcile", Outcome.REFUSED,
+                                refusal or f"{_label(letter)}: no reconcile")
+        try:
+            args, kwargs = _call_arguments(letter, self.accept)
+        except Exception as exc:
+            return self._result(letter, "reconcile", Outcome.FAILED,
+                                f"{_label(letter)}: its arguments could not be read "
+                                f"({type(exc).__name__}: {exc})")
+        run_id = _run_id(letter)
+        request = Context(id=letter.task_id, root_id=run_id, called_directly=False,
+                          **{IDEMPOTENCY_KEY_FIELD: idempotency_key(run_id, letter.task_id)})
+        answer, problem = ask(check, tool, request, args, kwargs,
+                              timeout=runtime.settings.reconcile_timeout)
+        status = ReconcileStatus.FAILED if answer is None else answer.status
+        evidence = answer.evidence if answer is not None else (
+            f"{type(problem).__name__}: {problem}")
+        event = self._event(letter, "reconcile", status.value, actor=actor, reason="",
+                            force=False, via=via)
+        event = replace(event.amended(**describe_payload(self.privacy, evidence=evidence)),
+                        exception_type=None if problem is None else type(problem).__qualname__)
+        seen = f"{_label(letter)}: reconcile answered {status.value} ({evidence or 'no evidence'})"
+        if answer is None or status is ReconcileStatus.UNKNOWN:
+            runtime.audit.record_step(event)
+            outcome = Outcome.FAILED if answer is None else Outcome.REFUSED
+            return self._result(letter, "reconcile", outcome, f"{seen}; the dead letter stays")
+        if status is ReconcileStatus.NOT_APPLIED:
+            runtime.audit.record_step(event)
+            if letter.reason == DeadLetterReason.REVOKED.value:
+                return self._result(letter, "reconcile", Outcome.REFUSED,
+                                    f"{seen}; it was revoked, so it stays a dead letter")
+            replayed = self.replay(task_id, actor=actor, force=True, via=via,
+                                   reason=f"reconciled: not applied ({evidence})")
+            return replace(replayed, action="reconcile", message=f"{seen}; {replayed.message}")
+        return self._settle_applied(letter, answer, event, seen)
+
+    def _settle_applied(
+        self, letter: DeadLetter, answer: Reconciliation, event: AuditEvent, seen: str,
+    ) -> ActionResult:
+        """The letter's write happened: SUCCEEDED in the journal and the result
+        backend, and the letter removed."""
+        runtime = self.runtime
+        letters = runtime.dead_letters
+        taken = letters.take(letter.task_id)
+        if taken is None:
+            return self._result(letter, "reconcile", Outcome.NOT_FOUND,
+                                f"{seen}; the letter was replayed or purged meanwhile")
+        try:
+            if letter_effect(letter).is_write:
+                moved = runtime.journal.transition(
+                    JournalRef(_run_id(letter), letter.task_id),
+                    new_state=JournalState.SUCCEEDED, allowed=states.RECONCILED_LETTER_FROM,
+                    token="", event=event.amended(reconciled="1"), record_late=False,
+                )
+                if not moved:
+                    letters.put_back(taken)
+                    return self._result(letter, "reconcile", Outcome.REFUSED,
+                                        f"{seen}; but its journal is {moved.previous_state!r} "
+                                        "now: the letter stays")
+            elif not runtime.audit.record_step(event):
+                letters.put_back(taken)
+                return self._result(letter, "reconcile", Outcome.FAILED,
+                                    f"{seen}; its audit event could not be stored")
+        except StoreUnavailable as exc:
+            letters.put_back(taken)
+            return self._result(letter, "reconcile", Outcome.FAILED, f"{seen}; {exc}")
+        try:
+            self.app.backend.mark_as_done(letter.task_id, answer.result)
+        except Exception as exc:  # recorded in the journal already: the letter goes
+            logger.warning("%s: result not stored on the backend: %s", _label(letter), exc)
+        with contextlib.suppress(StoreUnavailable):
+            letters.forget_taken(letter.task_id)
+        return self._result(letter, "reconcile", Outcome.DONE,
+                            f"{seen}; settled SUCCESS, the dead letter is removed")
+
+    def reconcile_matching(
+        self, query: DeadLetterQuery, *, actor: str, via: str = "cli",
+    ) -> Iterator[ActionResult]:
+        """Reconcile every letter matching ``query`` (one result each; letters that
+        cannot be reconciled are refused)."""
+        for batch in self.runtime.dead_letters.matching_ids(query):
+            for task_id in batch:
+                yield self.reconcile(task_id, actor=actor, via=via)
+
     # -- purge -------------------------------------------------------------------
 
     def purge(
@@ -560,6 +678,37 @@ class DeadLetterOperations:
     def _result(letter: DeadLetter, action: str, outcome: Outcome, message: str) -> ActionResult:
         return ActionResult(letter.task_id, action, outcome, message, letter.name,
                             letter.effect, letter.queue)
+
+
+#: Dead-letter reasons whose write may have happened: what reconcile is for.
+RECONCILABLE = frozenset({
+    DeadLetterReason.INTERRUPTED_WRITE.value, DeadLetterReason.REVOKED.value,
+})
+
+
+def reconcile_refusal(letter: DeadLetter, *, declared: bool) -> str | None:
+    """Why ``letter`` cannot be reconciled, or None when it can."""
+    label = _label(letter)
+    if not declared:
+        return (f"{label}: its tool declares no reconcile (or is not registered in this "
+                "app): nothing can tell whether its write happened")
+    outcome_lost = letter.exception_type == "AuditPersistenceFailed"
+    if letter.reason not in RECONCILABLE and not outcome_lost:
+        return (f"{label} is a dead letter {letter.reason}: its write did not start or its "
+                "outcome is known; there is nothing to reconcile")
+    return None
+
+
+def _call_arguments(letter: DeadLetter, accept: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments of the letter's task call."""
+    if letter.message is None:
+        raise ValueError("the letter keeps no message")
+    body = letter.message.decoded(accept)
+    if letter.message.protocol == 2:
+        args, kwargs = body[0], body[1]
+    else:
+        args, kwargs = body.get("args") or (), body.get("kwargs") or {}
+    return tuple(args), dict(kwargs)
 
 
 def _journal_refusal(letter: DeadLetter, state: str, detail: str) -> str:

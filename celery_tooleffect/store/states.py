@@ -7,7 +7,7 @@ that every state, verdict and effect literal in the scripts is one of them.
 States of a task's entry::
 
     absent --begin_attempt--> running --settle--> succeeded
-    interrupted --reconciled: applied--> succeeded
+    interrupted, dead_lettered --reconciled: applied--> succeeded
     interrupted --reconciled: not applied--> running (a new attempt)
                                  |  \\--settle--> retry_scheduled --begin_attempt--> running
                                  |   \\--settle--> failed            (interactive runs)
@@ -111,6 +111,8 @@ FINISH_DEAD_LETTER_FROM = frozenset({S.DEAD_LETTERING})
 INTERRUPT_FROM = frozenset({S.RUNNING})
 #: A tool's ``reconcile`` found an interrupted write applied: it succeeded.
 RECONCILED_FROM = frozenset({S.INTERRUPTED})
+#: ... or found a dead letter's write applied (an operator asked it).
+RECONCILED_LETTER_FROM = frozenset({S.DEAD_LETTERED, S.ABSENT})
 #: A revoked or expired task ends without running from these: no attempt of
 #: it runs now (an interrupted NON_IDEMPOTENT_WRITE becomes a dead letter
 #: instead, as its next delivery would make it).
@@ -131,7 +133,7 @@ BEGIN_FROM = frozenset(
 #: diagram above, checked against the sets by ``tests/test_states.py``.
 TRANSITIONS: dict[JournalState, frozenset[JournalState]] = {
     S.RUNNING: BEGIN_FROM,
-    S.SUCCEEDED: SUCCEED_FROM | RECONCILED_FROM,
+    S.SUCCEEDED: SUCCEED_FROM | RECONCILED_FROM | RECONCILED_LETTER_FROM,
     S.RETRY_SCHEDULED: SETTLE_FROM,
     S.FAILED: SETTLE_FROM,
     S.INTERRUPTED: INTERRUPT_FROM,

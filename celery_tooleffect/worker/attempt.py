@@ -125,11 +125,8 @@ class Attempt:
 
     @property
     def idempotency_key(self) -> str:
-        """The task's idempotency key: the same for every delivery, retry and
-        replay of the task, different for another task (or the same task id in
-        another run). SHA-256 of the run id and the task id, 32 hex digits."""
-        digest = hashlib.sha256(f"{self.run_id}\n{self.task_id}".encode("utf-8", "replace"))
-        return digest.hexdigest()[:32]
+        """The task's idempotency key (:func:`idempotency_key`)."""
+        return idempotency_key(self.run_id, self.task_id)
 
     @property
     def ref(self) -> JournalRef:
@@ -146,6 +143,14 @@ class Attempt:
             redelivered=self.redelivered,
             worker=worker_identity(),
         )
+
+
+def idempotency_key(run_id: str, task_id: str) -> str:
+    """A task's idempotency key: the same for every delivery, retry and replay
+    of the task, different for another task (or the same task id in another
+    run). SHA-256 of the run id and the task id, 32 hex digits."""
+    digest = hashlib.sha256(f"{run_id}\n{task_id}".encode("utf-8", "replace"))
+    return digest.hexdigest()[:32]
 
 
 def without_internal_fields(signature: Any) -> Any:

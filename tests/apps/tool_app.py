@@ -137,8 +137,11 @@ def provider_charge(tool: ToolTask) -> str:
 def find_charge(self: ToolTask, key: str, hold: float = 0.0, when: str = "after",
                 answer: str = "lookup") -> Reconciliation:
     """Asks the provider stand-in whether the charge was made (``answer``:
-    ``lookup``, or ``raise``, ``unknown``, ``slow``, ``nonsense`` to misbehave)."""
-    counters.incr(f"{PREFIX}reconciled:{key}")
+    ``lookup``, or ``raise``, ``unknown``, ``slow``, ``nonsense`` to misbehave;
+    ``unknown_once``: unknown the first time, a lookup after)."""
+    calls = counters.incr(f"{PREFIX}reconciled:{key}")
+    if answer == "unknown_once" and calls == 1:
+        answer = "unknown"
     if answer == "raise":
         raise LookupError("the provider's search is down")
     if answer == "unknown":
