@@ -17,6 +17,7 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -274,6 +275,8 @@ def test_dead_letters_page_in_a_real_browser(
         # A NON_IDEMPOTENT_WRITE without the confirmation: refused, nothing runs.
         browser.get(f"{flower.url}/dead-letters/{write.task_id}")
         wait_css(browser, "#replay-confirm")
+        # Its tool declares no reconcile, and it was not interrupted: no Reconcile.
+        assert not browser.find_elements(By.CSS_SELECTOR, "#reconcile-button")
         assert "NON_IDEMPOTENT_WRITE" in text_of(browser, "#replay-rule")
         tools.fix("page-write")
         browser.find_element(By.CSS_SELECTOR, "#replay-reason").send_keys("checked by hand")
@@ -305,6 +308,40 @@ def test_dead_letters_page_in_a_real_browser(
     row = [element.text for element in browser.find_elements(By.CSS_SELECTOR, ".detail-row")
            if element.text.startswith("Failure class")]
     assert row and row[0].split() == ["Failure", "class", "auth"], row
+
+
+def test_the_reconcile_button_settles_a_write_that_happened(
+    make_app: Callable[..., Celery], spawn_worker: Callable[..., Any],
+    start_flower: Callable[..., FlowerProcess], browser: Any, counter: Counter,
+    main_redis: redis.Redis, prefix: str,
+) -> None:
+    """tools.charge (tests/apps/tool_app.py) killed after it charged, its reconcile
+    unsure the first time: a dead letter, which the page's Reconcile settles."""
+    app = make_app()
+    worker = spawn_worker(concurrency=1)
+    key = uuid.uuid4().hex[:8]
+    result = app.send_task("tools.charge", args=[key, 60, "after", "unknown_once"],
+                           queue="tools")
+    child = wait_for(lambda: main_redis.lrange(f"{prefix}started:{key}", 0, -1),
+                     what="the body to start")[0]
+    os.kill(int(child), signal.SIGKILL)
+    letter = wait_for(lambda: DeadLetters(app).get(result.id), timeout=60,
+                      what="the dead letter\n" + worker.output()[-3000:])
+    assert letter.reason == "interrupted_write"
+
+    flower = start_flower()
+    browser.get(f"{flower.url}/dead-letters/{result.id}")
+    wait_css(browser, "#reconcile-button")
+    click(browser, "#reconcile-button")
+    shown = wait_css(browser, "#result")
+    assert shown.get_attribute("data-outcome") == "done", shown.text
+    assert "applied" in shown.text
+    assert DeadLetters(app).get(result.id) is None
+    assert app.AsyncResult(result.id).get(timeout=10) == f"ch-{key}-1"
+    assert counter.value(key) == 1
+    reconciled = [e for e in _events(app, result.id) if e["phase"] == "reconcile"]
+    assert [(e["status"], e.get("via")) for e in reconciled] == [
+        ("unknown", None), ("applied", "flower")]
 
 
 def _events(app: Celery, run_id: str) -> list[dict[str, str]]:

@@ -18,6 +18,7 @@ file, authentication, TLS and URL prefix), plus:
       GET  /api/dead-letters/<task_id>
       POST /api/dead-letters/<task_id>/replay   {"force": false, "reason": ""}
       POST /api/dead-letters/<task_id>/purge    {"reason": ""}
+      POST /api/dead-letters/<task_id>/reconcile  {}
 
   with the same JSON as the CLI's ``--json`` (replay and purge answer one
   result: 200 done, 409 refused, 404 not found, 503 failed). As in the CLI,
@@ -163,12 +164,12 @@ def dead_letter_handlers() -> list[Any]:
     return [
         url(r"/dead-letters", DeadLettersPage, name="dead_letters"),
         url(r"/dead-letters/([^/]+)", DeadLetterPage, name="dead_letter"),
-        url(r"/dead-letters/([^/]+)/(replay|purge)", DeadLetterActionPage,
+        url(r"/dead-letters/([^/]+)/(replay|purge|reconcile)", DeadLetterActionPage,
             name="dead_letter_action"),
         (r"/api/dead-letters", DeadLettersApi),
         (r"/api/dead-letters/stats", DeadLetterStatsApi),
         (r"/api/dead-letters/([^/]+)", DeadLetterApi),
-        (r"/api/dead-letters/([^/]+)/(replay|purge)", DeadLetterActionApi),
+        (r"/api/dead-letters/([^/]+)/(replay|purge|reconcile)", DeadLetterActionApi),
     ]
 
 
@@ -428,6 +429,10 @@ class DeadLetterActionPage(_DetailPage):
                 operations.replay, task_id, actor=self.actor(), reason=reason,
                 force=confirmed, via="flower",
             )
+        elif action == "reconcile":
+            result = await self.blocking(
+                operations.reconcile, task_id, actor=self.actor(), via="flower"
+            )
         else:
             result = await self.blocking(
                 operations.purge, task_id, actor=self.actor(), reason=reason, via="flower"
@@ -511,6 +516,10 @@ class DeadLetterActionApi(_DeadLetterMixin, BaseApiHandler):  # type: ignore[mis
             result = await self.blocking(
                 operations.replay, task_id, actor=self.actor(), reason=reason,
                 force=_flag(body.get("force", False)), via="flower-api",
+            )
+        elif action == "reconcile":
+            result = await self.blocking(
+                operations.reconcile, task_id, actor=self.actor(), via="flower-api"
             )
         else:
             result = await self.blocking(

@@ -358,8 +358,11 @@ class DeadLetterOperations:
             if unfinished is None:
                 return None
             letter, taken = unfinished[0], True
-        return letter_detail(letter, self._journal(letter), taken=taken, accept=self.accept,
-                             chord_refusal=self._chord_refusal(letter))
+        detail = letter_detail(letter, self._journal(letter), taken=taken, accept=self.accept,
+                               chord_refusal=self._chord_refusal(letter))
+        declared = reconciler(self.app.tasks.get(letter.name)) is not None
+        detail["reconcile"] = {"refusal": reconcile_refusal(letter, declared=declared)}
+        return detail
 
     def _chord_refusal(self, letter: DeadLetter) -> str | None:
         """Why a replay of ``letter`` could not complete its chord (None: not in one, or it can)."""
