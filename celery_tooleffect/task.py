@@ -204,6 +204,23 @@ class ToolTask(Task):  # type: ignore[misc]
             )
         return int(token)
 
+    def reconciler(
+        self, check: Callable[..., Reconciliation]
+    ) -> Callable[..., Reconciliation]:
+        """Declare ``check(self, *args, **kwargs)`` as this tool's ``reconcile``
+        (a decorator: ``@charge_card.reconciler``), as the ``reconcile=`` option
+        of ``@app.task`` does. Only a write reconciles, and only once.
+        """
+        if not self.tool_effect.is_write:
+            raise ToolDeclarationError(
+                f"{self.name}: a READ_ONLY tool runs again after an interruption; "
+                "it has nothing to reconcile"
+            )
+        if type(self).reconcile is not None:
+            raise ToolDeclarationError(f"{self.name} declares its reconcile already")
+        type(self).reconcile = check
+        return check
+
     def mcp_annotations(self) -> dict[str, bool]:
         """MCP tool annotations of this tool."""
         return self.tool_effect.mcp_annotations(open_world=self.open_world)

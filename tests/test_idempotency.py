@@ -158,3 +158,43 @@ def test_the_fence_rises_with_each_attempt_and_not_with_a_resent_begin(
     reclaimed = begin("b", lease_end=2e9)     # another delivery reclaims it
     assert (first.fencing_token, resent.fencing_token, reclaimed.fencing_token) == (1, 1, 2)
     assert journal.read(ref)["fence"] == "2"
+
+
+def test_reconcile_is_declared_by_option_decorator_or_method(
+    make_app: Callable[..., Celery],
+) -> None:
+    from celery_tooleffect import Reconciliation, ToolDeclarationError
+    from celery_tooleffect.worker.execution import reconciler
+
+    app = make_app()
+
+    def found(self: ToolTask, key: str) -> Reconciliation:
+        return Reconciliation.applied(f"{self.name}:{key}", evidence="found")
+
+    def body(key: str) -> str:
+        return key
+
+    write = ToolEffect.NON_IDEMPOTENT_WRITE
+    by_option = app.task(base=ToolTask, name="ids.by_option", shared=False, effect=write,
+                         reconcile=found)(body)
+    by_decorator = app.task(base=ToolTask, name="ids.by_decorator", shared=False,
+                            effect=write)(body)
+    by_decorator.reconciler(found)
+
+    class ByMethod(ToolTask):
+        effect = ToolEffect.NON_IDEMPOTENT_WRITE
+
+        def reconcile(self, key: str) -> Reconciliation:  # type: ignore[override]
+            return found(self, key)
+
+    by_method = app.task(base=ByMethod, name="ids.by_method", shared=False)(body)
+    for tool in (by_option, by_decorator, by_method):
+        check = reconciler(tool)
+        assert check is not None
+        assert check("k") == Reconciliation.applied(f"{tool.name}:k", evidence="found")
+    with pytest.raises(ToolDeclarationError, match="already"):
+        by_decorator.reconciler(found)
+    read = app.task(base=ToolTask, name="ids.read_only", shared=False)(body)
+    assert reconciler(read) is None
+    with pytest.raises(ToolDeclarationError, match="nothing to reconcile"):
+        read.reconciler(found)
