@@ -10,7 +10,11 @@ workers are restarted. At the end:
 
 - every submitted task is in exactly one final place (succeeded, or a dead letter);
 - no NON_IDEMPOTENT_WRITE body started twice;
-- every interrupted NON_IDEMPOTENT_WRITE is a dead letter with reason interrupted_write;
+- every interrupted NON_IDEMPOTENT_WRITE is a dead letter with reason
+  interrupted_write, except those of ``tools.charge``, which declares
+  ``reconcile`` (it asks a provider stand-in that deduplicates by idempotency
+  key): its body never starts again once the charge was made, it charges at
+  most once, and how many interruptions reconciliation settled is counted;
 - every write that ran has its intent event;
 - no message was lost.
 
@@ -58,7 +62,10 @@ TOOLS = {
     "tools.idempotent": "idempotent_write",
     "tools.write": "non_idempotent_write",
     "tools.write_deadline": "non_idempotent_write",
+    "tools.charge": "non_idempotent_write",
 }
+#: The tool that reconciles (its args: key, hold, when it charges).
+RECONCILING = "tools.charge"
 
 
 @dataclass
@@ -70,16 +77,20 @@ class Summary:
     duplicates: int = 0
     lost: int = 0
     dead_letters: Counter[str] = field(default_factory=Counter)
+    #: Interrupted writes of the reconciling tool that its reconcile settled.
+    reconciled: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         execs = " ".join(f"{effect}={n}" for effect, n in sorted(self.executions.items()))
         letters = " ".join(f"{reason}={n}" for reason, n in sorted(self.dead_letters.items()))
+        reconciled = " ".join(f"{status}={n}" for status, n in sorted(self.reconciled.items()))
         return (
             f"crash test: tasks={self.tasks} kills={self.kills} "
             f"(whole workers={self.kills - self.child_kills}, pool children={self.child_kills}) "
             f"executions[{execs}] duplicate_non_idempotent={self.duplicates} "
             f"lost={self.lost} dead_letters={sum(self.dead_letters.values())}[{letters}] "
+            f"reconciled={sum(self.reconciled.values())}[{reconciled}] "
             f"problems={len(self.problems)}"
         )
 
@@ -125,7 +136,10 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
             name = rng.choice(names)
             key = uuid.uuid4().hex[:10]
             hold = rng.uniform(0.05, 2.5)
-            result = app.send_task(name, args=[key, hold], queue="tools")
+            args: list[object] = [key, hold]
+            if name == RECONCILING:
+                args.append(rng.choice(["after", "before"]))
+            result = app.send_task(name, args=args, queue="tools")
             submitted[result.id] = (name, key)
 
         for _ in range(kills):
@@ -183,7 +197,9 @@ def check(app: Celery, client: redis.Redis, prefix: str,
             summary.problems.append(f"both succeeded and dead-lettered: {name} {task_id}")
         events = audit.events(task_id)
         phases = [event["phase"] for event in events]
-        if effect == "non_idempotent_write":
+        if name == RECONCILING:
+            check_reconciling(client, prefix, task_id, key, events, succeeded, summary)
+        elif effect == "non_idempotent_write":
             if runs > 1:
                 summary.duplicates += 1
                 summary.problems.append(f"{name} {task_id} ran {runs} times")
@@ -194,6 +210,22 @@ def check(app: Celery, client: redis.Redis, prefix: str,
             summary.problems.append(
                 f"{name} {task_id} ran {runs} times with {phases.count('intent')} intents"
             )
+
+
+def check_reconciling(client: redis.Redis, prefix: str, task_id: str, key: str,
+                      events: list[dict[str, str]], succeeded: bool, summary: Summary) -> None:
+    """The reconciling tool: it may run again only when its charge was not made."""
+    charges = int(client.get(f"{prefix}charges:{key}") or 0)
+    after_charge = int(client.get(f"{prefix}after_charge:{key}") or 0)
+    if after_charge:
+        summary.duplicates += 1
+        summary.problems.append(f"{RECONCILING} {task_id} ran again after its charge")
+    if charges > 1 or (succeeded and charges != 1):
+        summary.problems.append(f"{RECONCILING} {task_id}: {charges} charges, "
+                                f"{'succeeded' if succeeded else 'not succeeded'}")
+    for event in events:
+        if event["phase"] == "reconcile":
+            summary.reconciled[event["status"]] += 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,6 +164,9 @@ def charge(self: ToolTask, key: str, hold: float = 0.0, when: str = "after",
     after (``when="after"``) or before (``"before"``) the charge."""
     runs = counters.incr(f"{PREFIX}count:{key}")
     counters.rpush(f"{PREFIX}started:{key}", os.getpid())
+    if counters.exists(provider_charge(self)):
+        # Run again although the charge was made: what reconcile must prevent.
+        counters.incr(f"{PREFIX}after_charge:{key}")
     charge_id = f"ch-{key}-{runs}"
 
     def make_charge() -> None:
