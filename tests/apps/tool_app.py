@@ -42,6 +42,11 @@ app.conf.update(
             # seconds (100 s by default); the tests want it every second.
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
+            # A worker SIGKILLed during a restore sweep leaves kombu's
+            # unacked mutex held until it expires (300 s by default): no
+            # message is restored meanwhile and every lease extension is
+            # BUSY. The kill-heavy tests want it back within seconds.
+            "unacked_mutex_expire": 10,
         },
         tooleffect_redis_url=os.environ.get("TE_STORE") or None,
         tooleffect_max_retries=int(os.environ.get("TE_MAX_RETRIES", "3")),
