@@ -22,7 +22,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_tooleffect import DeadLetters
+from celery_tooleffect import AuditEvent, DeadLetters
 from celery_tooleffect.store.dead_letters import DeadLetter
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
@@ -342,7 +342,9 @@ def test_the_journal_says_what_spent_the_budget(app: Celery) -> None:
     journal = runtime_for(app).journal
     task_id = uuid.uuid4().hex
     ref = JournalRef(task_id, task_id)
-    event = {"phase": "intent", "status": "started", "task_id": task_id}
+    event = AuditEvent.of(run_id=task_id, task_id=task_id, tool="paths.t",
+                          effect="idempotent_write", phase="intent", status="started",
+                          worker="test:1", queue="tools")
     endings = [(Ending.FAILED, "retry_scheduled"), (Ending.REQUESTED, "retry_scheduled")]
     for token, (ending, state) in zip(("a", "b"), endings, strict=True):
         begin = journal.begin_attempt(ref, token=token, effect="idempotent_write",
@@ -350,8 +352,8 @@ def test_the_journal_says_what_spent_the_budget(app: Celery) -> None:
                                       event=event)
         assert begin.verdict.value == "started"
         assert journal.transition(ref, new_state=JournalState(state),
-                                  allowed=[JournalState.RUNNING], token=token,
-                                  event=dict(event, phase="outcome"), ending=ending)
+                                  allowed=frozenset({JournalState.RUNNING}), token=token,
+                                  event=event.amended(phase="outcome"), ending=ending)
     # The third attempt's owner dies: its lease lapses (the lease end is in the past).
     journal.begin_attempt(ref, token="c", effect="idempotent_write",
                           lease_end=time.time() - 1, attempts_allowed=3, event=event)

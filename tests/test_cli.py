@@ -173,7 +173,9 @@ def test_list_show_and_stats_of_real_dead_letters(tools: Tools) -> None:
 
     # Show: the whole envelope (a replay needs it) and the replay rules.
     shown = as_json(invoke(app, "dlq", "show", read.task_id, "--json"))
-    assert set(shown) == {"dead_letter", "journal", "replay_in_progress", "replay"}
+    assert set(shown) == {"dead_letter", "journal", "replay_in_progress", "replay",
+                          "reconcile"}
+    assert "declares no reconcile" in shown["reconcile"]["refusal"]
     assert shown["dead_letter"]["args"] == ["r1", "s3cr3t-arg"]
     assert shown["journal"] is None  # READ_ONLY keeps no journal
     assert shown["replay"] == {"allowed": True, "needs_force": False, "bulk": True,

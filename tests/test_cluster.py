@@ -153,7 +153,8 @@ def test_journal_and_audit_scripts_on_a_cluster(cluster: Cluster, cluster_app: C
         assert begin.verdict is Verdict.STARTED and begin.attempt == 1
         assert journal.renew_lease(ref, token="t1", lease_end=time.time() + 90)
         moved = journal.transition(
-            ref, new_state=JournalState.SUCCEEDED, allowed=[JournalState.RUNNING], token="t1",
+            ref, new_state=JournalState.SUCCEEDED, allowed=frozenset({JournalState.RUNNING}),
+            token="t1",
             event=context.event("outcome", "succeeded", attempt=1),
             earlier_copy=begin.intent_event,
         )
