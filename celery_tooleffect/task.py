@@ -29,8 +29,9 @@ from .settings import refuse_unknown_settings
 from .store.runtime import ToolRuntime, runtime_for
 from .worker.attempt import (
     FENCING_TOKEN_FIELD,
-    IDEMPOTENCY_KEY_FIELD,
     forged_headers,
+    idempotency_key,
+    resolve_run_id,
     without_internal_fields,
 )
 from .worker.consumer import install_consumer_step
@@ -178,12 +179,13 @@ class ToolTask(Task):  # type: ignore[misc]
         recorded in the intent event. Read it in the body of a bound tool
         (``bind=True``); elsewhere it raises :class:`ToolContextError`.
         """
-        key = getattr(self.request, IDEMPOTENCY_KEY_FIELD, None)
-        if key is None:
+        request = self.request
+        if request.id is None:
             raise ToolContextError(
                 f"{self.name}: idempotency_key is known only while the tool runs"
             )
-        return str(key)
+        task_id = str(request.id)
+        return idempotency_key(resolve_run_id(vars(request), task_id), task_id)
 
     @property
     def fencing_token(self) -> int:

@@ -334,12 +334,7 @@ def dlq_replay(ctx: click.Context, task_ids: tuple[str, ...], replay_all: bool,
                queue: str | None, dead_letter_reason: str | None, failure_class: str | None,
                effect: str | None, force: bool, why: str, as_json: bool) -> None:
     """Replay dead letters: reset the journal and publish each task again (same task id)."""
-    if replay_all and task_ids:
-        raise click.UsageError("give task ids or --all, not both")
-    if not replay_all and not task_ids:
-        raise click.UsageError("give at least one task id, or --all")
-    if not replay_all and (queue or failure_class or effect or dead_letter_reason):
-        raise click.UsageError("filters go with --all")
+    _check_targets(task_ids, replay_all, queue, dead_letter_reason, failure_class, effect)
     if force and (replay_all or len(task_ids) > 1):
         raise click.UsageError("--force replays one task id at a time")
     if force and not why.strip():
@@ -424,12 +419,7 @@ def dlq_reconcile(ctx: click.Context, task_ids: tuple[str, ...], reconcile_all: 
     """Ask each dead letter's tool whether its write happened (its reconcile), and
     end it so: applied settles SUCCESS, not applied replays it (a revoked one
     stays), unknown leaves it. Audited, with the evidence."""
-    if reconcile_all and task_ids:
-        raise click.UsageError("give task ids or --all, not both")
-    if not reconcile_all and not task_ids:
-        raise click.UsageError("give at least one task id, or --all")
-    if not reconcile_all and (queue or failure_class or effect or dead_letter_reason):
-        raise click.UsageError("filters go with --all")
+    _check_targets(task_ids, reconcile_all, queue, dead_letter_reason, failure_class, effect)
     from ..admin.operations import default_actor
 
     operations = _operations(ctx)
@@ -441,6 +431,16 @@ def dlq_reconcile(ctx: click.Context, task_ids: tuple[str, ...], reconcile_all: 
     else:
         results = (operations.reconcile(task_id, actor=actor) for task_id in task_ids)
     _report(results, as_json, "reconciled")
+
+
+def _check_targets(task_ids: tuple[str, ...], every: bool, *filters: str | None) -> None:
+    """Task ids or ``--all`` (with the filters), never both, never neither."""
+    if every and task_ids:
+        raise click.UsageError("give task ids or --all, not both")
+    if not every and not task_ids:
+        raise click.UsageError("give at least one task id, or --all")
+    if not every and any(filters):
+        raise click.UsageError("filters go with --all")
 
 
 def _confirm(question: str, yes: bool) -> None:

@@ -75,7 +75,7 @@ from ..store.envelope import shown
 from ..store.journal import JournalRef
 from ..store.runtime import ToolRuntime, runtime_for
 from ..store.states import JournalState
-from ..worker.attempt import IDEMPOTENCY_KEY_FIELD, RUN_ID_HEADER, idempotency_key
+from ..worker.attempt import RUN_ID_HEADER
 from ..worker.execution import ask, reconciler
 
 if TYPE_CHECKING:
@@ -533,15 +533,15 @@ class DeadLetterOperations:
             return self._result(letter, "reconcile", Outcome.REFUSED,
                                 refusal or f"{_label(letter)}: no reconcile")
         try:
-            args, kwargs = _call_arguments(letter, self.accept)
+            args, kwargs, _ = letter.payload(self.accept)
         except Exception as exc:
             return self._result(letter, "reconcile", Outcome.FAILED,
                                 f"{_label(letter)}: its arguments could not be read "
                                 f"({type(exc).__name__}: {exc})")
         run_id = _run_id(letter)
-        request = Context(id=letter.task_id, root_id=run_id, called_directly=False,
-                          **{IDEMPOTENCY_KEY_FIELD: idempotency_key(run_id, letter.task_id)})
-        answer, problem = ask(check, tool, request, args, kwargs,
+        # The run id as the task's root: self.idempotency_key derives the same key.
+        request = Context(id=letter.task_id, root_id=run_id, called_directly=False)
+        answer, problem = ask(check, tool, request, tuple(args), kwargs,
                               timeout=runtime.settings.reconcile_timeout)
         status = ReconcileStatus.FAILED if answer is None else answer.status
         evidence = answer.evidence if answer is not None else (
@@ -700,18 +700,6 @@ def reconcile_refusal(letter: DeadLetter, *, declared: bool) -> str | None:
         return (f"{label} is a dead letter {letter.reason}: its write did not start or its "
                 "outcome is known; there is nothing to reconcile")
     return None
-
-
-def _call_arguments(letter: DeadLetter, accept: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The positional and keyword arguments of the letter's task call."""
-    if letter.message is None:
-        raise ValueError("the letter keeps no message")
-    body = letter.message.decoded(accept)
-    if letter.message.protocol == 2:
-        args, kwargs = body[0], body[1]
-    else:
-        args, kwargs = body.get("args") or (), body.get("kwargs") or {}
-    return tuple(args), dict(kwargs)
 
 
 def _journal_refusal(letter: DeadLetter, state: str, detail: str) -> str:

@@ -29,11 +29,10 @@ ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, REPLAY_HEADER})
 #: taken from a message.
 TOKEN_FIELD = "tooleffect_token"
 FORGED_FIELD = "tooleffect_forged_headers"
-#: Request fields the pool process sets for the tool's body (read by
-#: ``ToolTask.idempotency_key`` and ``ToolTask.fencing_token``).
-IDEMPOTENCY_KEY_FIELD = "tooleffect_idempotency_key"
+#: The request field the pool process sets for a write's body (read by
+#: ``ToolTask.fencing_token``).
 FENCING_TOKEN_FIELD = "tooleffect_fencing_token"
-INTERNAL_FIELDS = (TOKEN_FIELD, FORGED_FIELD, IDEMPOTENCY_KEY_FIELD, FENCING_TOKEN_FIELD)
+INTERNAL_FIELDS = (TOKEN_FIELD, FORGED_FIELD, FENCING_TOKEN_FIELD)
 
 
 _tokens: dict[int, tuple[str, Iterator[int]]] = {}

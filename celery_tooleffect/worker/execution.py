@@ -59,7 +59,6 @@ from ..store.states import Ending, JournalState, Verdict
 from .attempt import (
     FENCING_TOKEN_FIELD,
     FORGED_FIELD,
-    IDEMPOTENCY_KEY_FIELD,
     TOKEN_FIELD,
     Attempt,
     forged_headers,
@@ -153,9 +152,6 @@ class Execution:
 
     def run(self) -> Any:
         self._check_message()
-        # What the body reads as self.idempotency_key (and, for a write,
-        # self.fencing_token, set once its intent is recorded).
-        setattr(self.request, IDEMPOTENCY_KEY_FIELD, self.attempt.idempotency_key)
         if not self.attempt.effect.is_write:
             return self._run_read_only()
         return self._run_write()
@@ -225,6 +221,7 @@ class Execution:
         begin = self._begin(plan)
         if isinstance(begin, Reconciliation):
             return begin.result  # the interrupted attempt's write happened
+        # What the body reads as self.fencing_token.
         setattr(self.request, FENCING_TOKEN_FIELD, begin.fencing_token)
         number = begin.attempt
         started = time.monotonic()
