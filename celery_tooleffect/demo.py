@@ -1,6 +1,6 @@
 # mypy: disallow-untyped-decorators=False
 # (Celery ships no type hints: @app.task is untyped, as it is in any user code.)
-"""An end-to-end demo: four agent tools on a real worker, their audit trails, a dead letter.
+"""An end-to-end demo: five agent tools on real workers, their audit trails, a dead letter.
 
 Run it with ``python -m celery_tooleffect.demo`` (or ``make demo``). It needs
 nothing but this package and a ``redis-server`` binary (on PATH, or the one the
@@ -27,25 +27,37 @@ other:
    dead-lettered (``not_retryable``, class ``unknown``, body completed). The
    dead letter is stored anyway, because dead letters live in the broker's
    Redis.
+5. ``charge_card``: NON_IDEMPOTENT_WRITE on a ``celery worker`` subprocess.
+   It charges a payment provider stand-in that deduplicates by the task's
+   ``idempotency_key``; the demo SIGKILLs that worker once the charge is made,
+   before the outcome is recorded, and starts a fresh one. The redelivery
+   finds the write interrupted and asks the tool's ``reconcile``, which finds
+   the charge under that key: the task succeeds with it, the body does not
+   run again, one charge in the end.
 
 It prints each run's audit trail and the dead letter, and exits 0 only when
 everything matches what the documentation promises (How a task ends).
 ``examples/agent_app.py`` defines its own copy of the first three tools. The
-Redis servers are started with :mod:`celery_tooleffect.testing`.
+Redis servers and act 5's worker process are started with
+:mod:`celery_tooleffect.testing`; that worker imports this module's
+``worker_app``, built from the environment the demo gives it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -53,15 +65,32 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from .effect import ToolEffect
+from .reconciliation import Reconciliation
 from .settings import settings_for
 from .store.audit import AuditLog
 from .store.dead_letters import DeadLetter, DeadLetters
 from .store.journal import Journal, JournalRef
 from .task import ToolTask
-from .testing import RedisServerError, delete_keys, pings, redis_server, redis_server_binary
+from .testing import (
+    RedisServerError,
+    WorkerProcess,
+    delete_keys,
+    pings,
+    redis_server,
+    redis_server_binary,
+    start_celery_worker,
+    wait_for,
+)
 
 ENV_REDIS_URL = "TOOLEFFECT_DEMO_REDIS_URL"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+#: How act 5's worker process finds the demo's servers and keys.
+ENV_WORKER = ("TOOLEFFECT_DEMO_BROKER", "TOOLEFFECT_DEMO_STORE", "TOOLEFFECT_DEMO_PREFIX")
+
+#: Act 5's worker: a killed worker's message is delivered again after this
+#: many seconds (kombu's Redis ``visibility_timeout``).
+WORKER_VISIBILITY_TIMEOUT = 3.0
 
 #: What ``search_catalog`` searches.
 CATALOG = (
@@ -83,6 +112,7 @@ class Tools:
     search_catalog: Any
     set_shipping_address: Any
     send_invoice: Any
+    charge_card: Any
     refund_payment: Any | None = None
 
 
@@ -135,7 +165,34 @@ def register_tools(app: Celery, *, with_forced_failure: bool = False) -> Tools:
         client.rpush(f"{prefix}invoices", json.dumps([invoice, customer_id, amount_cents]))
         return invoice
 
-    tools = Tools(search_catalog, set_shipping_address, send_invoice)
+    def find_charge(self: ToolTask, customer_id: str, amount_cents: int) -> Reconciliation:
+        """Ask the provider whether a charge exists under this call's key."""
+        client, prefix = world(app)
+        charge = client.hget(f"{prefix}provider:charges", self.idempotency_key)
+        if charge is None:
+            return Reconciliation.not_applied(evidence="the provider has no charge under the key")
+        found = _decode(charge)
+        return Reconciliation.applied(found, evidence=f"provider charge {found}")
+
+    @app.task(
+        base=ToolTask, bind=True, name="agent.charge_card",
+        effect=ToolEffect.NON_IDEMPOTENT_WRITE, reconcile=find_charge,
+    )
+    def charge_card(self: ToolTask, customer_id: str, amount_cents: int) -> str:
+        """Charge a card through a provider that deduplicates by idempotency
+        key (as payment APIs do with an ``Idempotency-Key`` header); the first
+        run then waits for the demo to kill its worker."""
+        client, prefix = world(app)
+        runs = int(client.incr(f"{prefix}charge_card:runs"))
+        charge = f"ch_{self.idempotency_key[:12]}"
+        client.hsetnx(f"{prefix}provider:charges", self.idempotency_key, charge)
+        if runs == 1:  # bounded: the demo kills this worker long before
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        return str(_decode(client.hget(f"{prefix}provider:charges", self.idempotency_key)))
+
+    tools = Tools(search_catalog, set_shipping_address, send_invoice, charge_card)
     if not with_forced_failure:
         return tools
 
@@ -158,19 +215,31 @@ def register_tools(app: Celery, *, with_forced_failure: bool = False) -> Tools:
         store.config_set("maxmemory", "1")
         return f"refunded {amount_cents} cents to {customer_id}"
 
-    return Tools(search_catalog, set_shipping_address, send_invoice, refund_payment)
+    return Tools(search_catalog, set_shipping_address, send_invoice, charge_card,
+                 refund_payment)
 
 
 # -- the app -----------------------------------------------------------------------
 
 
-def make_app(broker_url: str, store_url: str, prefix: str) -> Celery:
+def make_app(broker_url: str, store_url: str, prefix: str,
+             visibility_timeout: float = 3600.0) -> Celery:
     """A Celery app whose every key lives under ``prefix``."""
     app = Celery("tooleffect-demo", set_as_current=False)
     app.conf.update(
         broker_url=broker_url,
         result_backend=broker_url,
-        broker_transport_options={"global_keyprefix": prefix, "visibility_timeout": 3600},
+        broker_transport_options={
+            "global_keyprefix": prefix,
+            "visibility_timeout": visibility_timeout,
+            # kombu 5.7 looks for unacknowledged messages to restore every
+            # interval * throttle seconds (100 s by default): every second here.
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+            # A worker killed while it restores messages holds kombu's restore
+            # mutex this long (300 s by default).
+            "unacked_mutex_expire": 10,
+        },
         result_backend_transport_options={"global_keyprefix": prefix},
         broker_connection_retry_on_startup=True,
         task_default_queue="agent-tools",
@@ -179,8 +248,51 @@ def make_app(broker_url: str, store_url: str, prefix: str) -> Celery:
         tooleffect_key_prefix=f"{prefix}te:",
         tooleffect_redis_url=store_url,
         tooleffect_socket_timeout=2.0,
+        # A retry waits for its countdown on the worker: it must end before
+        # the visibility timeout restores the message (checked at start-up).
+        tooleffect_backoff_cap=min(600.0, visibility_timeout / 2),
     )
     return app
+
+
+@functools.cache
+def _worker_app() -> Celery:
+    broker_url, store_url, prefix = (os.environ[name] for name in ENV_WORKER)
+    app = make_app(broker_url, store_url, prefix, visibility_timeout=WORKER_VISIBILITY_TIMEOUT)
+    register_tools(app)
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    # ``celery -A celery_tooleffect.demo:worker_app worker``, act 5's worker
+    # process: Celery's find_app takes the module attribute, built on first use
+    # from the environment the demo gives that process (ENV_WORKER).
+    if name == "worker_app":
+        return _worker_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@contextlib.contextmanager
+def worker_processes(broker_url: str, store_url: str,
+                     prefix: str) -> Iterator[Callable[[], WorkerProcess]]:
+    """Start ``celery worker`` subprocesses of the demo's tools (one at a time,
+    prefork, one pool process); every one started is killed at the end."""
+    started: list[WorkerProcess] = []
+    with tempfile.TemporaryDirectory(prefix="tooleffect-demo-") as folder:
+        def start() -> WorkerProcess:
+            worker = start_celery_worker(
+                "celery_tooleffect.demo:worker_app", Path(folder) / f"worker-{len(started)}.log",
+                name=f"demo{len(started) + 1}", queues="agent-tools",
+                env=dict(zip(ENV_WORKER, (broker_url, store_url, prefix), strict=True)),
+            )
+            started.append(worker)
+            return worker
+
+        try:
+            yield start
+        finally:
+            for worker in started:
+                worker.kill()
 
 
 # -- running and reporting -----------------------------------------------------------
@@ -216,8 +328,18 @@ class Run:
 
 def call(run: Run, timeout: float = 30.0) -> None:
     """Queue the call, as an agent would, and wait until its result is settled."""
-    async_result = run.task.apply_async(run.args)
-    run.task_id = async_result.id
+    send(run)
+    settle(run, timeout)
+
+
+def send(run: Run) -> None:
+    """Queue the call."""
+    run.task_id = run.task.apply_async(run.args).id
+
+
+def settle(run: Run, timeout: float = 30.0) -> None:
+    """Wait (at most ``timeout`` seconds) until the call's result is settled."""
+    async_result = run.task.AsyncResult(run.task_id)
     deadline = time.monotonic() + timeout
     while not async_result.ready() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -269,6 +391,10 @@ def describe(run: Run) -> str:
     if run.effect.is_write:
         state = run.journal.get("state", "(none)")
         lines.append(f"  journal: state={state} attempt={run.journal.get('attempt', '')}")
+        intent = next((event for event in run.events if event.get("phase") == "intent"), {})
+        if intent.get("idempotency_key"):
+            lines.append(f"  idempotency key: {intent['idempotency_key']}  "
+                         f"fencing token: {intent.get('fencing_token', '')}")
     lines.append(f"  audit trail (AuditLog(app).events({run.run_id[:8]}...)):")
     lines.append(audit_table(run.events))
     if run.note:
@@ -308,9 +434,18 @@ def _short(value: Any, limit: int = 110) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def check(runs: Sequence[Run], refunds: int) -> list[str]:
+@dataclass(frozen=True)
+class SideEffects:
+    """What the tools did to the world, counted after the runs."""
+
+    refunds: int
+    charges: int
+    charge_runs: int
+
+
+def check(runs: Sequence[Run], effects: SideEffects) -> list[str]:
     """What does not match the documented behaviour (empty when all is well)."""
-    read, idempotent, invoice, forced = runs
+    read, idempotent, invoice, forced, charged = runs
     problems: list[str] = []
 
     def expect(ok: bool, what: str) -> None:
@@ -331,7 +466,8 @@ def check(runs: Sequence[Run], refunds: int) -> list[str]:
 
     letter = forced.dead_letter
     expect(forced.state == "FAILURE", f"refund_payment: expected FAILURE, got {forced.state}")
-    expect(refunds == 1, f"refund_payment: its body should have run once, ran {refunds} times")
+    expect(effects.refunds == 1,
+           f"refund_payment: its body should have run once, ran {effects.refunds} times")
     expect(("intent", "started") in forced.phases(),
            f"refund_payment: expected its intent in the audit trail, got {forced.phases()}")
     expect(("outcome", "succeeded") not in forced.phases(),
@@ -348,11 +484,45 @@ def check(runs: Sequence[Run], refunds: int) -> list[str]:
                f"dead letter: expected AuditPersistenceFailed, got {letter.exception_type}")
         expect(letter.effect == ToolEffect.NON_IDEMPOTENT_WRITE.value,
                f"dead letter: expected effect non_idempotent_write, got {letter.effect}")
+
+    expect(charged.state == "SUCCESS" and str(charged.result).startswith("ch_"),
+           f"charge_card: expected SUCCESS with the charge, got {charged.state} "
+           f"{charged.result!r}")
+    expect(effects.charge_runs == 1,
+           f"charge_card: its body should have run once, ran {effects.charge_runs} times")
+    expect(effects.charges == 1,
+           f"charge_card: the provider should hold one charge, holds {effects.charges}")
+    expect(charged.phases() == [("intent", "started"), ("interrupted", "lease_lapsed"),
+                                ("reconcile", "applied"), ("outcome", "succeeded")],
+           "charge_card: expected intent, interrupted (lease lapsed), reconcile applied, "
+           f"outcome, got {charged.phases()}")
+    expect(charged.journal.get("state") == "succeeded",
+           f"charge_card: expected journal state succeeded, got {charged.journal}")
+    expect(charged.dead_letter is None, "charge_card: it was dead-lettered")
     return problems
 
 
+def interrupt_and_reconcile(run: Run, start_worker_process: Callable[[], WorkerProcess],
+                            client: redis.Redis, world_prefix: str) -> None:
+    """Act 5: the call's worker is SIGKILLed once the provider holds the charge;
+    a fresh worker takes the redelivery and reconciles it."""
+    first = start_worker_process()
+    print(f"  started worker {first.name} (celery worker subprocess, prefork)")
+    print(f"  calling {run.task.name}{run.args!r}")
+    send(run)
+    wait_for(lambda: client.hlen(f"{world_prefix}provider:charges"), timeout=60,
+             what="the provider to record the charge\n" + first.output()[-2000:])
+    first.kill()
+    print(f"  the provider holds the charge: SIGKILL worker {first.name} before the outcome "
+          "is recorded")
+    second = start_worker_process()
+    print(f"  started worker {second.name}; the message is delivered again after the "
+          f"visibility timeout ({WORKER_VISIBILITY_TIMEOUT:g} s)")
+    settle(run, timeout=90)
+
+
 def run_demo(broker_url: str, store_url: str, *, verbose: bool = False) -> int:
-    """Run the four calls against ``broker_url`` and ``store_url``; the exit code."""
+    """Run the five calls against ``broker_url`` and ``store_url``; the exit code."""
     prefix = f"tooleffect-demo:{uuid.uuid4().hex[:12]}:"
     print(f"Key prefix for this demo: {prefix} (deleted at the end)\n")
     app = make_app(broker_url, store_url, prefix)
@@ -375,7 +545,16 @@ def run_demo(broker_url: str, store_url: str, *, verbose: bool = False) -> int:
             "neither the outcome nor the dead-lettering could be journalled (the journal "
             "still says 'running'). The write failed closed: AuditPersistenceFailed, never "
             "retried, and its dead letter (below, in the broker's Redis) is the record."),
+        Run("5. NON_IDEMPOTENT_WRITE interrupted by a killed worker, then reconciled",
+            tools.charge_card, ("cust-7", 4200),
+            "The provider deduplicates by the idempotency key the tool passed it. The "
+            "worker was killed after the charge and before the outcome; the redelivery "
+            "found the owner's lease lapsed (the write interrupted) and asked the tool's "
+            "reconcile(), which found the "
+            "charge under that key: the task succeeded with it and the body did not run "
+            "again. Without reconcile() it would be a dead letter (interrupted_write)."),
     ]
+    *in_process, charged = runs
     audit = AuditLog(app)
     dead_letters = DeadLetters(app)
     journal = Journal(settings_for(app), audit)
@@ -385,10 +564,14 @@ def run_demo(broker_url: str, store_url: str, *, verbose: bool = False) -> int:
         with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False,
                           loglevel="WARNING" if verbose else "CRITICAL",
                           shutdown_timeout=30):
-            for run in runs:
+            for run in in_process:
                 print(f"  calling {run.task.name}{run.args!r}")
                 call(run)
-        print("Worker stopped.\n")
+        print("Worker stopped. The audit store accepts writes again (maxmemory 0).\n")
+        redis.Redis.from_url(store_url, socket_timeout=5).config_set("maxmemory", "0")
+        with worker_processes(broker_url, store_url, prefix) as start_worker_process:
+            interrupt_and_reconcile(charged, start_worker_process, client, world_prefix)
+        print("Workers stopped.\n")
         for run in runs:
             run.events = audit.events(run.run_id)
             if run.effect.is_write:
@@ -396,17 +579,22 @@ def run_demo(broker_url: str, store_url: str, *, verbose: bool = False) -> int:
             run.dead_letter = dead_letters.get(run.task_id)
             print(describe(run))
             print()
-        refunds = int(client.llen(f"{world_prefix}refunds"))
-        forced = runs[-1]
+        effects = SideEffects(
+            refunds=int(client.llen(f"{world_prefix}refunds")),
+            charges=int(client.hlen(f"{world_prefix}provider:charges")),
+            charge_runs=int(client.get(f"{world_prefix}charge_card:runs") or 0),
+        )
         print("The dead letter of run 4 (DeadLetters(app).get(task_id)), kept in the "
               "broker's Redis:")
-        print(describe_dead_letter(forced.dead_letter))
+        print(describe_dead_letter(runs[3].dead_letter))
         print()
         print("Side effects: "
               f"address={_decode(client.hget(f'{world_prefix}order:order-1001', 'address'))!r}, "
-              f"invoices sent={client.llen(f'{world_prefix}invoices')}, refunds made={refunds}")
+              f"invoices sent={client.llen(f'{world_prefix}invoices')}, "
+              f"refunds made={effects.refunds}, cards charged={effects.charges} "
+              f"(charge_card's body ran {effects.charge_runs} time(s))")
         print()
-        problems = check(runs, refunds)
+        problems = check(runs, effects)
     finally:
         client.close()
         try:
@@ -424,7 +612,8 @@ def run_demo(broker_url: str, store_url: str, *, verbose: bool = False) -> int:
     print(
         "\nAll as documented: reads and writes succeeded with their audit trails; "
         "the write whose\noutcome could not be recorded failed closed and was dead-lettered "
-        "(not_retryable, unknown,\nbody_completed=true) instead of being retried."
+        "(not_retryable, unknown,\nbody_completed=true) instead of being retried; the write "
+        "interrupted by a killed worker\nwas reconciled: one charge, one run of its body."
     )
     return 0
 
@@ -436,7 +625,7 @@ def _decode(value: Any) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m celery_tooleffect.demo",
-        description="Run four agent tools end to end and print their audit trails.",
+        description="Run five agent tools end to end and print their audit trails.",
     )
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show the worker's warnings (the forced failure logs some)")

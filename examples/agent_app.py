@@ -23,7 +23,9 @@ Two more tools fail on purpose, so that there are dead letters to look at
   Replaying it from the Dead letters page succeeds (the token is "refreshed").
 - ``charge_card`` (NON_IDEMPOTENT_WRITE) declines any amount above 1000.00
   (class ``client_error``): dead-lettered; the page replays it only with a
-  confirmation and a reason.
+  confirmation and a reason. It passes its ``idempotency_key`` to the provider
+  stand-in and declares ``reconcile``: a charge interrupted by a killed worker
+  is settled by asking the provider, not dead-lettered.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import os
 import redis
 from celery import Celery
 
-from celery_tooleffect import ToolEffect, ToolTask
+from celery_tooleffect import Reconciliation, ToolEffect, ToolTask
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 BROKER_URL = os.environ.get("BROKER_URL") or REDIS_URL
@@ -130,14 +132,28 @@ def sync_crm_contact(customer_id: str, email: str) -> str:
     return email
 
 
+def find_charge(self: ToolTask, customer_id: str, amount_cents: int) -> Reconciliation:
+    """After an interrupted charge: ask the provider whether it holds one under
+    this call's idempotency key."""
+    client, prefix = world(app)
+    charge = client.hget(f"{prefix}provider:charges", self.idempotency_key)
+    if charge is None:
+        return Reconciliation.not_applied(evidence="the provider has no charge under the key")
+    return Reconciliation.applied(charge.decode(), evidence=f"provider charge {charge.decode()}")
+
+
 @app.task(
-    base=ToolTask, name="agent.charge_card", effect=ToolEffect.NON_IDEMPOTENT_WRITE,
-    operation_deadline=120,
+    base=ToolTask, bind=True, name="agent.charge_card",
+    effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=120, reconcile=find_charge,
 )
-def charge_card(customer_id: str, amount_cents: int) -> str:
-    """Charge a card: doing it twice charges twice. Declines amounts above 1000.00."""
+def charge_card(self: ToolTask, customer_id: str, amount_cents: int) -> str:
+    """Charge a card: doing it twice charges twice, unless the provider
+    deduplicates by the idempotency key (as this stand-in does, like payment
+    APIs with an ``Idempotency-Key`` header). Declines amounts above 1000.00."""
     if amount_cents > 100_000:
         raise CardDeclined(f"amount {amount_cents} cents is over the card's limit")
     client, prefix = world(app)
-    client.rpush(f"{prefix}charges", f"{customer_id}:{amount_cents}")
-    return f"charged {amount_cents} cents to {customer_id}"
+    charge = f"ch_{self.idempotency_key[:12]}"
+    if client.hsetnx(f"{prefix}provider:charges", self.idempotency_key, charge):
+        client.rpush(f"{prefix}charges", f"{customer_id}:{amount_cents}")
+    return charge
