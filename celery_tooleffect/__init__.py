@@ -5,8 +5,11 @@ closed when their audit cannot be stored, and are never run twice when
 interrupted. See the README for the guarantees and how they are tested.
 """
 
+from .admin.approvals import Approvals
 from .effect import ToolEffect, ToolEffectInterface, ToolEffectResolver
 from .errors import (
+    ApprovalRejected,
+    ApprovalRequired,
     AttemptInProgress,
     AuditPersistenceFailed,
     ConfigurationError,
@@ -27,13 +30,20 @@ from .errors import (
 from .events import AuditEvent
 from .failures import CircuitOpenError, FailureClass, FailureClassifier, NoSideEffect
 from .reconciliation import ReconcileStatus, Reconciliation
+from .signals import approval_requested
+from .store.approvals import Approval
 from .store.audit import AuditLog
 from .store.dead_letters import DeadLetter, DeadLetterReason, DeadLetters
 from .store.journal import Journal
-from .store.states import JournalState
+from .store.states import ApprovalState, JournalState
 from .task import ToolTask
 
 __all__ = [
+    "Approval",
+    "ApprovalRejected",
+    "ApprovalRequired",
+    "ApprovalState",
+    "Approvals",
     "AttemptInProgress",
     "AuditEvent",
     "AuditLog",
@@ -67,6 +77,7 @@ __all__ = [
     "ToolEffectInterface",
     "ToolEffectResolver",
     "ToolTask",
+    "approval_requested",
 ]
 
 __version__ = "0.1.0"

@@ -16,6 +16,8 @@ wrong and what it means::
      +-- AttemptInProgress               an interactive call found its task running elsewhere
      +-- ToolContextError                a tool asked for what only its running call has
      +-- ReconcileFailed                 a tool's reconcile timed out or answered nonsense
+     +-- ApprovalRejected                a person rejected the call, or nobody decided in time
+     +-- ApprovalRequired                an interactive call of a tool that needs approval
      +-- CircuitOpenError                (failures.py) raise it when a breaker refuses a call
      +-- NoSideEffect                    (failures.py) raise it for an error before any effect
      +-- DeadLettered                    (also Celery's Reject) the message is a dead letter
@@ -170,3 +172,19 @@ class ReconcileFailed(ToolEffectError):
     """A tool's ``reconcile`` did not answer in time
     (``tooleffect_reconcile_timeout``) or answered something that is not a
     ``Reconciliation``; the interrupted write stays a dead letter."""
+
+
+class ApprovalRejected(ToolEffectError):
+    """A call that needed a person's approval was rejected, or nobody decided it
+    within ``tooleffect_approval_timeout`` (then the reason says it expired).
+    Nothing of the call ran. Class CLIENT_ERROR: never retried."""
+
+    failure_class = "client_error"
+
+
+class ApprovalRequired(ToolEffectError):
+    """A tool that needs approval was called interactively (``apply()``, eager
+    mode, a direct call) without an approval: only a queued call can be parked
+    for a person to decide, so queue it (``apply_async``)."""
+
+    failure_class = "client_error"

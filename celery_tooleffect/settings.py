@@ -37,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_heartbeat_interval": None,
     "tooleffect_rabbitmq_consumer_timeout": 1800.0,
     "tooleffect_reconcile_timeout": 30.0,
+    "tooleffect_approval_timeout": 24 * 3600.0,
 }
 
 
@@ -63,6 +64,8 @@ class Settings:
     rabbitmq_consumer_timeout: float
     #: Seconds a tool's ``reconcile`` may take before its answer counts as unknown.
     reconcile_timeout: float = 30.0
+    #: Seconds a call may wait for approval before it is rejected as expired.
+    approval_timeout: float = 24 * 3600.0
     broker_transport_options: Mapping[str, Any] = field(default_factory=dict)
     #: The store (``redis_url``) is a Redis Cluster (``tooleffect_redis_cluster``).
     redis_cluster: bool = False
@@ -78,6 +81,11 @@ class Settings:
         """How long a journal entry lives: past any redelivery of its message."""
         redeliveries = self.visibility_timeout * (self.max_retries + 2)
         return int(max(self.retention, redeliveries + self.backoff_cap * self.max_retries))
+
+    @property
+    def approval_ttl(self) -> int:
+        """How long an approval record lives: its timeout, then as long as a journal entry."""
+        return int(self.approval_timeout) + self.journal_ttl
 
 
 _cache: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary()
@@ -161,6 +169,7 @@ def _read(app: Celery) -> Settings:
         ),
         rabbitmq_consumer_timeout=float(get("tooleffect_rabbitmq_consumer_timeout")),
         reconcile_timeout=float(get("tooleffect_reconcile_timeout")),
+        approval_timeout=float(get("tooleffect_approval_timeout")),
         broker_transport_options=transport_options,
         redis_cluster=redis_cluster,
         default_queue=str(conf.task_default_queue or "celery"),

@@ -27,6 +27,7 @@ from .errors import (
 from .reconciliation import Reconciliation
 from .settings import refuse_unknown_settings
 from .store.runtime import ToolRuntime, runtime_for
+from .worker.approvals import install_approval_sweep
 from .worker.attempt import (
     FENCING_TOKEN_FIELD,
     forged_headers,
@@ -64,6 +65,8 @@ PROTECTED_OPTIONS = frozenset(
         "__call__",
         "run",
         "reconcile",
+        "requires_approval",
+        "needs_approval",
     }
 )
 
@@ -82,6 +85,10 @@ class ToolTask(Task):  # type: ignore[misc]
     #: method, or the ``reconcile=`` option of ``@app.task``); None: it cannot
     #: tell, and an interrupted write is a dead letter.
     reconcile: ClassVar[Callable[..., Reconciliation] | None] = None
+    #: A write whose calls a person approves before they run: True for every
+    #: call, or a policy ``requires_approval(self, *args, **kwargs) -> bool``
+    #: (a method, or the ``requires_approval=`` option of ``@app.task``).
+    requires_approval: ClassVar[bool | Callable[..., bool]] = False
 
     abstract = True
     acks_late = True
@@ -111,12 +118,18 @@ class ToolTask(Task):  # type: ignore[misc]
                 f"{cls.name}: time_limit {cls.time_limit}s is longer than its "
                 f"operation_deadline {cls.operation_deadline}s"
             )
+        if cls.requires_approval and not declared.is_write:
+            raise ToolDeclarationError(
+                f"{cls.name}: a READ_ONLY tool changes nothing, so there is nothing to "
+                "approve (requires_approval is for writes)"
+            )
         refuse_unknown_settings(app.conf)
         if "get_effect" not in _overridden(cls):
             refuse_autoretry(cls, declared)
         refuse_unbounded_retries(cls)
         connect_signals()
         install_consumer_step(app)
+        install_approval_sweep(app)
         install_startup_checks(app)
         return bound
 
@@ -222,6 +235,20 @@ class ToolTask(Task):  # type: ignore[misc]
             raise ToolDeclarationError(f"{self.name} declares its reconcile already")
         type(self).reconcile = check
         return check
+
+    def needs_approval(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether this call waits for a person's approval, as the tool declares
+        (``requires_approval``). A policy that raises counts as yes: a call is
+        never let through because its check failed."""
+        policy = type(self).requires_approval
+        if not callable(policy):
+            return bool(policy)
+        try:
+            return bool(policy(self, *args, **kwargs))
+        except Exception:
+            logger.exception("%s: requires_approval raised; the call waits for approval",
+                             self.name)
+            return True
 
     def mcp_annotations(self) -> dict[str, bool]:
         """MCP tool annotations of this tool."""

@@ -90,3 +90,21 @@ class Keys:
     def dead_letter_replaying(self) -> str:
         """Dead letters taken out of the store by a replay that has not finished yet."""
         return f"{self.prefix}dlq:replaying"
+
+    # -- approvals -------------------------------------------------------------
+
+    def approval(self, run_id: str, task_id: str) -> str:
+        """The approval record (a hash) of one call: in its run's slot, so that a
+        decision and its audit event are written by one script."""
+        return f"{self.run(run_id)}:approval:{task_id}"
+
+    @property
+    def approvals_pending(self) -> str:
+        """The sorted set of calls awaiting a decision (or the publication of
+        one), by the time they were parked."""
+        return f"{self.prefix}approvals:pending"
+
+    @property
+    def approvals_where(self) -> str:
+        """Task id to run id, so that an approval is found by task id alone."""
+        return f"{self.prefix}approvals:where"

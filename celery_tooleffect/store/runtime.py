@@ -1,7 +1,7 @@
 """The parts of one app's tools that live in Redis, built once per app.
 
 :class:`ToolRuntime` bundles the settings, audit log, journal, dead letters,
-broker leases and failure classifier of one Celery app; the worker and the
+approvals, broker leases and failure classifier of one Celery app; the worker and the
 operator commands both reach the store through it.
 """
 
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..failures import FailureClassifier
 from ..settings import Settings, settings_for
+from .approvals import ApprovalStore
 from .audit import AuditLog
 from .dead_letters import DeadLetters
 from .journal import Journal
@@ -22,13 +23,14 @@ if TYPE_CHECKING:
 
 
 class ToolRuntime:
-    """Settings, audit log, journal, dead letters and classifier of one app."""
+    """Settings, audit log, journal, dead letters, approvals and classifier of one app."""
 
     def __init__(self, app: Celery) -> None:
         self.settings: Settings = settings_for(app)
         self.audit = AuditLog(app, self.settings)
         self.journal = Journal(self.settings, self.audit)
         self.dead_letters = DeadLetters(app, self.settings)
+        self.approvals = ApprovalStore(self.settings, self.audit)
         self.leases = Leases(self.settings)
         self.classifier = FailureClassifier.from_setting(self.settings.failure_classes)
 

@@ -27,6 +27,17 @@ dead-lettered one). The entry also counts how earlier attempts ended
 
 A move is fenced by the attempt's owner token: a worker that lost its lease
 cannot move the entry, and its outcome is stored as a ``late_outcome`` event.
+
+A call that needs a person's approval has a second, smaller machine
+(:class:`ApprovalState`), before any journal entry exists::
+
+    absent --parked by the worker--> pending --approve--> approved
+                                     pending --reject--> rejected --worker ends it FAILURE--> ended
+                                     pending --timeout--> expired --worker ends it FAILURE--> ended
+
+Each decision is taken once: only ``pending`` may be decided. ``approved`` is
+where an approved call stays (every delivery of its task id runs under the
+journal's rules); ``ended`` is where a rejected or expired one stays.
 """
 
 from __future__ import annotations
@@ -147,4 +158,44 @@ TRANSITIONS: dict[JournalState, frozenset[JournalState]] = {
 
 def allowed_argument(states: frozenset[JournalState]) -> str:
     """``states`` as a script's ARGV takes them: values joined by spaces, sorted."""
+    return " ".join(sorted(state.value for state in states))
+
+
+class ApprovalState(Choice):
+    """Where a call that needs approval stands."""
+
+    __choice_name__ = "an approval state"
+
+    #: Never parked (or its record expired).
+    ABSENT = "absent"
+    PENDING = "pending"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    #: Not decided within ``tooleffect_approval_timeout``: rejected as expired.
+    EXPIRED = "expired"
+    #: A rejected or expired call that a worker ended FAILURE (``ApprovalRejected``).
+    ENDED = "ended"
+
+
+A = ApprovalState
+
+#: A decision (approve, reject, expire) is taken from here only: once.
+DECIDE_FROM = frozenset({A.PENDING})
+#: A worker ends a refused call FAILURE from these.
+END_REFUSED_FROM = frozenset({A.REJECTED, A.EXPIRED})
+#: Refused: the call never runs.
+REFUSED = END_REFUSED_FROM | {A.ENDED}
+
+#: Every move of an approval, as :data:`TRANSITIONS` for the journal.
+APPROVAL_TRANSITIONS: dict[ApprovalState, frozenset[ApprovalState]] = {
+    A.PENDING: frozenset({A.ABSENT}),
+    A.APPROVED: DECIDE_FROM,
+    A.REJECTED: DECIDE_FROM,
+    A.EXPIRED: DECIDE_FROM,
+    A.ENDED: END_REFUSED_FROM,
+}
+
+
+def approval_argument(states: frozenset[ApprovalState]) -> str:
+    """``states`` as an approval script's ARGV takes them (values joined by spaces)."""
     return " ".join(sorted(state.value for state in states))

@@ -32,7 +32,11 @@ FORGED_FIELD = "tooleffect_forged_headers"
 #: The request field the pool process sets for a write's body (read by
 #: ``ToolTask.fencing_token``).
 FENCING_TOKEN_FIELD = "tooleffect_fencing_token"
-INTERNAL_FIELDS = (TOKEN_FIELD, FORGED_FIELD, FENCING_TOKEN_FIELD)
+#: Set by the worker's main process when the store says this call of a tool
+#: that needs approval was approved (a producer's header of this name is
+#: refused as forged, as any ``tooleffect_*`` header).
+APPROVED_FIELD = "tooleffect_approved"
+INTERNAL_FIELDS = (TOKEN_FIELD, FORGED_FIELD, FENCING_TOKEN_FIELD, APPROVED_FIELD)
 
 
 _tokens: dict[int, tuple[str, Iterator[int]]] = {}

@@ -35,6 +35,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from ..effect import ToolEffect
 from ..errors import (
+    ApprovalRequired,
     AttemptInProgress,
     AuditPersistenceFailed,
     EffectRelabelRefused,
@@ -55,8 +56,9 @@ from ..store.dead_letters import DeadLetterReason
 from ..store.journal import Begin
 from ..store.leases import LeaseVerdict
 from ..store.runtime import ToolRuntime
-from ..store.states import Ending, JournalState, Verdict
+from ..store.states import ApprovalState, Ending, JournalState, Verdict
 from .attempt import (
+    APPROVED_FIELD,
     FENCING_TOKEN_FIELD,
     FORGED_FIELD,
     TOKEN_FIELD,
@@ -91,6 +93,8 @@ class Tool(Protocol):
     def signature_from_request(self, *args: Any, **kwargs: Any) -> Any: ...
 
     def run(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def needs_approval(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool: ...
 
 
 def tool_body(tool: Tool) -> Any:
@@ -154,7 +158,28 @@ class Execution:
         self._check_message()
         if not self.attempt.effect.is_write:
             return self._run_read_only()
+        self._check_approval()
         return self._run_write()
+
+    def _check_approval(self) -> None:
+        """Run a call that needs approval only when the store says it was approved.
+
+        A queued call was let through by the worker's main process, which
+        asked the store (worker/approvals.py) and said so in the request; an
+        interactive call cannot be parked, so it asks here and is refused
+        unless approved.
+        """
+        if not self.tool.needs_approval(self.args, self.kwargs):
+            return
+        if getattr(self.request, APPROVED_FIELD, None) == "1" and not self.attempt.interactive:
+            return
+        state = self.runtime.approvals.state(self.attempt.run_id, self.attempt.task_id)
+        if state is ApprovalState.APPROVED:
+            return
+        raise ApprovalRequired(
+            f"{self.label} needs a person's approval ({state.value}): queue it with "
+            "apply_async and approve it (celery tooleffect approvals approve)"
+        )
 
     def _check_message(self) -> None:
         """Refuse forged headers and arguments the tool cannot take, before anything runs."""

@@ -8,7 +8,9 @@ TE_SOCKET_TIMEOUT, TE_HEARTBEAT (``tooleffect_heartbeat_interval``),
 TE_QUEUE_TYPE and TE_DELIVERY_LIMIT (a RabbitMQ quorum queue),
 TE_BROKER_HEARTBEAT (``broker_heartbeat``), TE_CONSUMER_TIMEOUT
 (``tooleffect_rabbitmq_consumer_timeout``), TE_RECONCILE_TIMEOUT
-(``tooleffect_reconcile_timeout``). Each
+(``tooleffect_reconcile_timeout``), TE_APPROVAL_TIMEOUT
+(``tooleffect_approval_timeout``), TE_KILL_ON_PARK (the worker kills itself
+once, when it has parked a call and before it acknowledges it). Each
 body counts its executions, records the pid of the process running it, and
 holds until released or its hold ends.
 """
@@ -16,12 +18,20 @@ holds until released or its hold ends.
 from __future__ import annotations
 
 import os
+import signal
 import time
+from typing import Any
 
 import redis
 from celery import Celery
 
-from celery_tooleffect import Reconciliation, ToolEffect, ToolTask
+from celery_tooleffect import (
+    Approval,
+    Reconciliation,
+    ToolEffect,
+    ToolTask,
+    approval_requested,
+)
 from tests.conftest import app_config, rabbitmq_queues
 
 PREFIX = os.environ["TE_PREFIX"]
@@ -55,6 +65,7 @@ app.conf.update(
         tooleffect_rabbitmq_consumer_timeout=float(
             os.environ.get("TE_CONSUMER_TIMEOUT") or 1800),
         tooleffect_reconcile_timeout=float(os.environ.get("TE_RECONCILE_TIMEOUT") or 30),
+        tooleffect_approval_timeout=float(os.environ.get("TE_APPROVAL_TIMEOUT") or 24 * 3600),
         # AMQP heartbeats (seconds): how soon RabbitMQ notices a silent worker.
         broker_heartbeat=float(os.environ.get("TE_BROKER_HEARTBEAT") or 120),
         worker_hijack_root_logger=True,
@@ -189,3 +200,39 @@ def charge(self: ToolTask, key: str, hold: float = 0.0, when: str = "after",
     if when == "before":
         make_charge()
     return str(counters.get(provider_charge(self)).decode())
+
+
+# -- calls a person approves -----------------------------------------------------------
+
+
+@app.task(base=ToolTask, name="tools.approved_write", effect=ToolEffect.NON_IDEMPOTENT_WRITE,
+          requires_approval=True)
+def approved_write(key: str, hold: float = 0.0) -> str:
+    """Every call waits for a person's approval."""
+    return hold_and_count(key, hold)
+
+
+def large_refunds(self: ToolTask, key: str, amount: int) -> bool:
+    """The approval policy of ``tools.refund``: refunds above 100 only."""
+    return amount > 100
+
+
+@app.task(base=ToolTask, name="tools.refund", effect=ToolEffect.IDEMPOTENT_WRITE,
+          requires_approval=large_refunds)
+def refund(key: str, amount: int) -> int:
+    hold_and_count(key, 0.0)
+    return amount
+
+
+@app.task(name="tools.errback")
+def errback(request: Any, exc: BaseException, traceback: Any) -> None:
+    """A ``link_error`` callback (Celery calls it with the failed request)."""
+    counters.rpush(f"{PREFIX}errbacks", f"{request.id} {type(exc).__name__}")
+
+
+@approval_requested.connect
+def on_parked(sender: Any, approval: Approval, **kwargs: Any) -> None:
+    counters.rpush(f"{PREFIX}parked", approval.task_id)
+    if os.environ.get("TE_KILL_ON_PARK") and counters.incr(f"{PREFIX}killed_on_park") == 1:
+        # The record is stored and the message not yet acknowledged.
+        os.killpg(os.getpgid(0), signal.SIGKILL)

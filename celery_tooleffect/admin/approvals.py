@@ -1,0 +1,139 @@
+"""``Approvals(app)``: what operators do with calls that wait for a person.
+
+The same operations back ``celery tooleffect approvals ...`` and the Flower
+Approvals page. Each decision is taken once, atomically with its audit event
+(who, when, why), then the call's kept message is published again: an
+approved call runs under the normal rules, a rejected one ends FAILURE with
+``ApprovalRejected`` on the worker that receives it (see
+:mod:`celery_tooleffect.worker.approvals`). Reading a list or the counts also
+expires the calls nobody decided within ``tooleffect_approval_timeout``, as
+the workers' sweep does, so an operator never sees an overdue call as pending.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import StoreUnavailable
+from ..store.approvals import Approval
+from ..store.runtime import runtime_for
+from ..store.states import ApprovalState
+from ..worker.approvals import decide, expire_overdue
+from .operations import ActionResult, Outcome, default_actor
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+_VERBS = {ApprovalState.APPROVED: "approve", ApprovalState.REJECTED: "reject"}
+
+
+class Approvals:
+    """Calls parked for approval in ``app``'s store: list, show, approve, reject."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.runtime = runtime_for(app)
+
+    # -- reading ---------------------------------------------------------------
+
+    def list(self, *, queue: str | None = None, tool: str | None = None,
+             state: ApprovalState | str | None = None, limit: int | None = None,
+             offset: int = 0) -> list[Approval]:
+        """Listed calls, oldest first: pending, or decided and not yet published
+        (``state`` picks one). Filters by queue and tool; ``offset``/``limit`` page."""
+        self.expire_overdue()
+        wanted = ApprovalState.coerce(state) if state is not None else None
+        found = [
+            approval for approval in self.runtime.approvals.listed()
+            if (queue is None or approval.queue == queue)
+            and (tool is None or approval.name == tool)
+            and (wanted is None or approval.state is wanted)
+        ]
+        end = None if limit is None else offset + limit
+        return found[offset:end]
+
+    def get(self, task_id: str) -> Approval | None:
+        """The call's record, pending or decided; None when it never waited."""
+        return self.runtime.approvals.get(task_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Pending calls by queue and tool: ``{"pending": n, "by_queue": {...},
+        "by_tool": {...}, "by_queue_and_tool": [{"queue", "tool", "pending"}]}``."""
+        self.expire_overdue()
+        counts = self.runtime.approvals.pending_counts()
+        by_queue: dict[str, int] = {}
+        by_tool: dict[str, int] = {}
+        for (queue, tool), count in counts.items():
+            by_queue[queue] = by_queue.get(queue, 0) + count
+            by_tool[tool] = by_tool.get(tool, 0) + count
+        return {
+            "pending": sum(counts.values()),
+            "by_queue": by_queue,
+            "by_tool": by_tool,
+            "by_queue_and_tool": [
+                {"queue": queue, "tool": tool, "pending": count}
+                for (queue, tool), count in sorted(counts.items())
+            ],
+        }
+
+    # -- deciding --------------------------------------------------------------
+
+    def approve(self, task_id: str, *, by: str | None = None, reason: str = "") -> ActionResult:
+        """Approve a pending call: it is published again and runs once."""
+        return self._decide(task_id, ApprovalState.APPROVED, by=by, reason=reason)
+
+    def reject(self, task_id: str, *, by: str | None = None, reason: str = "") -> ActionResult:
+        """Reject a pending call: it ends FAILURE (``ApprovalRejected``), nothing runs."""
+        return self._decide(task_id, ApprovalState.REJECTED, by=by, reason=reason)
+
+    def decide_all(self, task_ids: Iterable[str], state: ApprovalState, *,
+                   by: str | None = None, reason: str = "") -> builtins.list[ActionResult]:
+        return [self._decide(task_id, state, by=by, reason=reason) for task_id in task_ids]
+
+    def expire_overdue(self) -> builtins.list[Approval]:
+        """Reject as expired the calls that waited past the timeout (see the module docs)."""
+        return expire_overdue(self.app)
+
+    def _decide(self, task_id: str, state: ApprovalState, *, by: str | None,
+                reason: str) -> ActionResult:
+        verb = _VERBS[state]
+        actor = by or default_actor()
+        try:
+            approval = self.runtime.approvals.get(task_id)
+            if approval is None:
+                return ActionResult(task_id, verb, Outcome.NOT_FOUND,
+                                    f"{task_id}: no call waits for approval under this id")
+            if approval.state is not ApprovalState.PENDING:
+                # A decision whose message is not published yet is published
+                # now; the decision itself stands.
+                decide(self.app, approval, state, by=actor, reason=reason)
+                return ActionResult(
+                    task_id, verb, Outcome.REFUSED,
+                    f"{_label(approval)} was decided already: {approval.state.value}"
+                    + (f" by {approval.decided_by}" if approval.decided_by else ""),
+                    approval.name, approval.effect, approval.queue,
+                )
+            move = decide(self.app, approval, state, by=actor, reason=reason)
+        except StoreUnavailable as exc:
+            return ActionResult(task_id, verb, Outcome.FAILED, f"{task_id}: {exc}")
+        except Exception as exc:  # publishing failed: the decision stands, listed
+            return ActionResult(
+                task_id, verb, Outcome.FAILED,
+                f"{task_id}: decided, but its message was not published yet "
+                f"({type(exc).__name__}: {exc}); the next sweep publishes it",
+            )
+        if not move:
+            return ActionResult(task_id, verb, Outcome.REFUSED,
+                                f"{_label(approval)} was decided meanwhile: "
+                                f"{move.previous.value}",
+                                approval.name, approval.effect, approval.queue)
+        done = "approved: published again" if state is ApprovalState.APPROVED else (
+            "rejected: it ends FAILURE (ApprovalRejected) when a worker receives it")
+        return ActionResult(task_id, verb, Outcome.DONE, f"{_label(approval)} {done}",
+                            approval.name, approval.effect, approval.queue)
+
+
+def _label(approval: Approval) -> str:
+    return f"{approval.name}[{approval.task_id}]"

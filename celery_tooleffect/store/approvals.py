@@ -1,0 +1,273 @@
+"""Calls that wait for a person's approval, kept in the store's Redis.
+
+A parked call's record is a hash in its run's hash slot
+(:meth:`Keys.approval`), so that parking it and each decision are one script
+with their audit event (``approval_request.lua``, ``approval_transition.lua``).
+The record holds the message exactly as the broker delivered it (a
+:class:`~celery_tooleffect.store.envelope.MessageEnvelope`, as a dead letter
+does), what the call is (tool, queue, run, its arguments described at
+``tooleffect_privacy``), when it was parked, and, once decided, who decided,
+when and why. Its states are :class:`~celery_tooleffect.store.states.ApprovalState`.
+
+Two indexes live outside the run's slot and are written in the same round
+trip, best effort: ``approvals:pending`` (task ids by the time they were
+parked: calls awaiting a decision, or the publication of one) and
+``approvals:where`` (task id to run id). A redelivery of a parked call and
+every decision repair them, and a listing skips entries whose record is gone.
+The number of pending calls is human-sized (each waits for a person), so
+listing and counting read the pending index whole.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from ..errors import StoreUnavailable
+from ..events import AuditEvent
+from ..settings import Settings
+from .audit import AuditLog, flatten, text
+from .connections import redis_client
+from .envelope import MessageEnvelope
+from .keys import Keys
+from .lua import script
+from .states import ApprovalState, approval_argument
+
+
+@dataclass(frozen=True)
+class Approval:
+    """One call that needs (or needed) a person's approval."""
+
+    task_id: str
+    run_id: str
+    name: str
+    queue: str
+    #: The tool's declared effect (a ToolEffect value): a write, always.
+    effect: str
+    state: ApprovalState
+    #: When the worker parked it (unix seconds).
+    requested_at: float
+    #: The call's arguments as ``tooleffect_privacy`` lets the audit show them.
+    arguments: Mapping[str, str] = field(default_factory=dict)
+    #: The worker that parked it.
+    worker: str = ""
+    #: The message as the broker delivered it; published again once decided.
+    message: MessageEnvelope | None = None
+    decided_by: str = ""
+    decided_at: float | None = None
+    reason: str = ""
+
+    @property
+    def decided(self) -> bool:
+        return self.state not in (ApprovalState.PENDING, ApprovalState.ABSENT)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form, without the message (what the CLI and the API show)."""
+        return {
+            "task_id": self.task_id,
+            "run_id": self.run_id,
+            "name": self.name,
+            "queue": self.queue,
+            "effect": self.effect,
+            "state": self.state.value,
+            "requested_at": self.requested_at,
+            "arguments": dict(self.arguments),
+            "worker": self.worker,
+            "decided_by": self.decided_by,
+            "decided_at": self.decided_at,
+            "reason": self.reason,
+        }
+
+    def record(self) -> dict[str, str]:
+        """The fields of its Redis hash."""
+        fields = {
+            "state": self.state.value,
+            "task_id": self.task_id,
+            "run_id": self.run_id,
+            "name": self.name,
+            "queue": self.queue,
+            "effect": self.effect,
+            "requested_at": f"{self.requested_at:.6f}",
+            "arguments": json.dumps(dict(self.arguments), ensure_ascii=False),
+            "worker": self.worker,
+        }
+        if self.message is not None:
+            fields["message"] = json.dumps(self.message.to_dict(), ensure_ascii=False)
+        return fields
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, str]) -> Approval:
+        message = record.get("message")
+        decided_at = record.get("decided_at")
+        return cls(
+            task_id=record.get("task_id", ""),
+            run_id=record.get("run_id", ""),
+            name=record.get("name", ""),
+            queue=record.get("queue", ""),
+            effect=record.get("effect", ""),
+            state=ApprovalState.coerce(record.get("state", "absent")),
+            requested_at=float(record.get("requested_at") or 0),
+            arguments=json.loads(record.get("arguments") or "{}"),
+            worker=record.get("worker", ""),
+            message=MessageEnvelope.from_dict(json.loads(message)) if message else None,
+            decided_by=record.get("decided_by", ""),
+            decided_at=float(decided_at) if decided_at else None,
+            reason=record.get("reason", ""),
+        )
+
+
+@dataclass(frozen=True)
+class ApprovalMove:
+    """The answer of :meth:`ApprovalStore.transition`; true when the record moved."""
+
+    moved: bool
+    #: The state the record was in when the script ran.
+    previous: ApprovalState
+
+    def __bool__(self) -> bool:
+        return self.moved
+
+
+class ApprovalStore:
+    """Approval records and their indexes, each step atomic with its audit event."""
+
+    def __init__(self, settings: Settings, audit: AuditLog) -> None:
+        self.settings = settings
+        self.audit = audit
+        self.keys = Keys(settings.key_prefix)
+
+    @property
+    def client(self) -> redis.Redis:
+        return redis_client(self.settings.redis_url, self.settings.socket_timeout,
+                            cluster=self.settings.redis_cluster)
+
+    def _keys(self, run_id: str, task_id: str) -> list[str]:
+        return [self.keys.approval(run_id, task_id), self.keys.run_events(run_id),
+                self.keys.run_seq(run_id)]
+
+    def _index(self, approval: Approval) -> list[tuple[Any, ...]]:
+        return [
+            ("ZADD", self.keys.approvals_pending, "NX", f"{approval.requested_at:.6f}",
+             approval.task_id),
+            ("HSET", self.keys.approvals_where, approval.task_id, approval.run_id),
+        ]
+
+    # -- the worker ------------------------------------------------------------
+
+    def request(self, approval: Approval, event: AuditEvent) -> ApprovalState | None:
+        """Park ``approval`` (state ``pending``) with its ``approval requested``
+        event; None when parked now, else the state of the record it already
+        has (nothing changes then, but the indexes are repaired).
+
+        Raises :class:`StoreUnavailable` when it could not be stored.
+        """
+        record = flatten(approval.record())
+        fields = flatten(event)
+        try:
+            answer = script("approval_request").call_with(
+                self.client, self._keys(approval.run_id, approval.task_id),
+                [self.settings.approval_ttl, self.settings.run_stream_maxlen,
+                 len(record) // 2, *record, *fields],
+                also=[*self._index(approval), self.audit.global_copy(fields)],
+            )
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
+        if text(answer[0]) == "ok":
+            return None
+        return ApprovalState.coerce(text(answer[1]))
+
+    def state(self, run_id: str, task_id: str) -> ApprovalState:
+        """Where the call's approval stands (``absent``: never parked).
+
+        Raises :class:`StoreUnavailable` when the store cannot answer.
+        """
+        try:
+            value = self.client.hget(self.keys.approval(run_id, task_id), "state")
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
+        return ApprovalState.coerce(text(value)) if value else ApprovalState.ABSENT
+
+    # -- decisions -------------------------------------------------------------
+
+    def transition(
+        self, approval: Approval, *, new_state: ApprovalState,
+        allowed: frozenset[ApprovalState], event: AuditEvent,
+        fields: Mapping[str, str] | None = None,
+    ) -> ApprovalMove:
+        """Move the record to ``new_state`` from one of ``allowed``, with ``event``,
+        atomically; false (nothing changed) when it is in another state.
+
+        Raises :class:`StoreUnavailable` when nothing could be stored.
+        """
+        record = flatten(fields or {})
+        event_fields = flatten(event)
+        try:
+            answer = script("approval_transition").call_with(
+                self.client, self._keys(approval.run_id, approval.task_id),
+                [approval_argument(allowed), new_state.value, self.settings.approval_ttl,
+                 self.settings.run_stream_maxlen, len(record) // 2, *record, *event_fields],
+                also=[self.audit.global_copy(event_fields)],
+            )
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
+        return ApprovalMove(text(answer[0]) == "ok", ApprovalState.coerce(text(answer[1])))
+
+    def is_listed(self, task_id: str) -> bool:
+        """Whether the call is on the pending index (awaiting a decision or its publication)."""
+        try:
+            return self.client.zscore(self.keys.approvals_pending, task_id) is not None
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
+
+    def unlist(self, task_id: str) -> None:
+        """Take a decided (and published) call off the pending index."""
+        try:
+            self.client.zrem(self.keys.approvals_pending, task_id)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
+
+    # -- reading ---------------------------------------------------------------
+
+    def get(self, task_id: str) -> Approval | None:
+        """The call's record, whatever its state; None when there is none."""
+        try:
+            run_id = self.client.hget(self.keys.approvals_where, task_id)
+            if run_id is None:
+                return None
+            record = self.client.hgetall(self.keys.approval(text(run_id), task_id))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
+        if not record:
+            return None
+        return Approval.from_record({text(k): text(v) for k, v in record.items()})
+
+    def listed(self, *, older_than: float | None = None) -> list[Approval]:
+        """Every call on the pending index, oldest first (those parked before
+        ``older_than``, unix seconds, when given): awaiting a decision, or
+        decided and not yet published."""
+        try:
+            task_ids = self.client.zrangebyscore(
+                self.keys.approvals_pending, "-inf",
+                f"({older_than:.6f}" if older_than is not None else "+inf",
+            )
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
+        found = (self.get(text(task_id)) for task_id in task_ids
+                 if isinstance(task_id, (bytes, str)))
+        return [approval for approval in found if approval is not None]
+
+    def pending_counts(self) -> Counter[tuple[str, str]]:
+        """How many calls await a decision, by (queue, tool)."""
+        return Counter((approval.queue, approval.name) for approval in self.listed()
+                       if approval.state is ApprovalState.PENDING)
+
+
+def overdue_before(settings: Settings, now: float | None = None) -> float:
+    """Calls parked before this time (unix seconds) are past ``tooleffect_approval_timeout``."""
+    return (time.time() if now is None else now) - settings.approval_timeout
