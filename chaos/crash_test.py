@@ -170,7 +170,8 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
                 time.sleep(0.5)
         summary.lost = len(pending)
         for task_id in pending:
-            summary.problems.append(f"not final: {submitted[task_id]} {task_id}")
+            summary.problems.append(f"not final: {submitted[task_id]} {task_id}: "
+                                    + where_is(app, client, prefix, task_id))
         check(app, client, prefix, submitted, summary)
     finally:
         for worker in workers:
@@ -179,6 +180,21 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
     if summary.problems:
         print(f"worker logs: {logdir}", file=sys.stderr)
     return summary
+
+
+def where_is(app: Celery, client: redis.Redis, prefix: str, task_id: str) -> str:
+    """Where a task that is not final stands: its audit trail, its journal, and
+    whether its message is queued or held unacknowledged on a Redis broker."""
+    audit = AuditLog(app)
+    trail = " ".join(f"{e['phase']}:{e['status']}" for e in audit.events(task_id))
+    journal = {key.decode(): value.decode() for key, value in client.hgetall(
+        f"{prefix}te:{{{task_id}}}:journal:{task_id}").items()}
+    needle = task_id.encode()
+    queued = sum(needle in item for key in client.scan_iter(f"{prefix}tools*")
+                 if client.type(key) == b"list" for item in client.lrange(key, 0, -1))
+    unacked = sum(needle in value for value in client.hvals(f"{prefix}unacked"))
+    return (f"audit[{trail}] journal[state={journal.get('state')} "
+            f"attempt={journal.get('attempt')}] queued={queued} unacked={unacked}")
 
 
 def check(app: Celery, client: redis.Redis, prefix: str,

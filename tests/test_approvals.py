@@ -9,9 +9,6 @@ call, ``tools.refund`` for refunds above 100 only; the app's
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -76,7 +73,8 @@ def test_a_parked_call_runs_once_when_approved(
     assert approval.state is ApprovalState.PENDING
     assert approval.name == "tools.approved_write" and approval.queue == "tools"
     assert approval.arguments == {"args_size": str(len(json.dumps([key]))), "kwargs_size": "2"}
-    assert parked(main_redis, prefix) == [result.id]
+    # The signal fires once the record is stored, before the acknowledgement.
+    assert wait_for(lambda: parked(main_redis, prefix), timeout=30) == [result.id]
     assert counter.value(key) == 0 and result.state == "PENDING"
     assert [a.task_id for a in Approvals(app).list()] == [result.id]
 
@@ -92,3 +90,195 @@ def test_a_parked_call_runs_once_when_approved(
     ]
     [decision] = [e for e in AuditLog(app).events(result.id) if e["status"] == "approved"]
     assert decision["actor"] == "alice" and decision["reason"] == "looks right"
+
+
+def test_a_rejected_call_fails_runs_its_errback_and_stops_its_chain(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], counter: Counter,
+    main_redis: redis.Redis, prefix: str, broker_url: str,
+) -> None:
+    spawn_worker(concurrency=1, broker_url=broker_url)
+    key, after = uuid.uuid4().hex[:8], uuid.uuid4().hex[:8]
+    first = app.signature("tools.approved_write", args=[key], queue="tools")
+    first.link_error(app.signature("tools.errback", queue="tools"))
+    workflow = first | app.signature("tools.read", args=[after], immutable=True, queue="tools")
+    result = workflow.apply_async()
+    gated = result.parent
+    wait_parked(app, gated.id)
+
+    decided = Approvals(app).reject(gated.id, by="bob", reason="amount too high")
+    assert decided.ok, decided.message
+    with pytest.raises(ApprovalRejected, match="rejected by bob: amount too high"):
+        gated.get(timeout=60)
+    assert wait_for(lambda: errbacks(main_redis, prefix), timeout=30) == [
+        f"{gated.id} ApprovalRejected"]
+    assert counter.value(key) == 0 and counter.value(after) == 0  # nothing ran
+    # The chain stopped: Celery's mark_as_failure marks its later tasks failed too.
+    assert result.state == "FAILURE" and isinstance(result.result, ApprovalRejected)
+    assert Approvals(app).get(gated.id).state is ApprovalState.ENDED
+    assert approval_events(app, gated.id) == [
+        ("approval", "requested"), ("approval", "rejected"), ("outcome", "rejected")]
+    assert DeadLetters(app).get(gated.id) is None  # a decision, not a failure to keep
+
+
+def test_a_call_nobody_decides_expires(
+    make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
+    counter: Counter, prefix: str,
+) -> None:
+    app = make_app(tooleffect_approval_timeout=1.0)
+    spawn_worker(concurrency=1, TE_APPROVAL_TIMEOUT="1")
+    key = uuid.uuid4().hex[:8]
+    result: Any = app.send_task("tools.approved_write", args=[key], queue="tools")
+    wait_parked(app, result.id)
+
+    # The worker's sweep (every timeout/4 here, 1 s at least) rejects it as expired.
+    with pytest.raises(ApprovalRejected, match="expired awaiting approval"):
+        result.get(timeout=60)
+    approval = Approvals(app).get(result.id)
+    assert approval.state is ApprovalState.ENDED
+    assert approval.decided_by == "tooleffect" and "approval_timeout" in approval.reason
+    assert counter.value(key) == 0
+    assert approval_events(app, result.id)[-2:] == [("approval", "expired"),
+                                                    ("outcome", "expired")]
+
+
+def test_the_policy_parks_only_the_calls_it_names(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], counter: Counter, broker_url: str,
+) -> None:
+    spawn_worker(concurrency=1, broker_url=broker_url)
+    small, large = uuid.uuid4().hex[:8], uuid.uuid4().hex[:8]
+    ran: Any = app.send_task("tools.refund", args=[small, 50], queue="tools")
+    waits: Any = app.send_task("tools.refund", args=[large, 500], queue="tools")
+    assert ran.get(timeout=60) == 50 and counter.value(small) == 1
+    wait_parked(app, waits.id)
+    assert Approvals(app).get(ran.id) is None
+    assert counter.value(large) == 0
+    assert Approvals(app).approve(waits.id, reason="checked").ok
+    assert waits.get(timeout=60) == 500 and counter.value(large) == 1
+
+
+def test_a_second_decision_is_refused(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], counter: Counter, broker_url: str,
+) -> None:
+    spawn_worker(concurrency=1, broker_url=broker_url)
+    key = uuid.uuid4().hex[:8]
+    result: Any = app.send_task("tools.approved_write", args=[key], queue="tools")
+    wait_parked(app, result.id)
+    assert Approvals(app).approve(result.id, by="alice").ok
+    again = Approvals(app).approve(result.id, by="carol")
+    rejected_late = Approvals(app).reject(result.id, by="carol", reason="too late")
+    assert result.get(timeout=60) == key
+    assert (again.outcome.value, rejected_late.outcome.value) == ("refused", "refused")
+    assert "decided already: approved by alice" in again.message
+    assert counter.value(key) == 1
+    decisions = [e["status"] for e in AuditLog(app).events(result.id) if e["phase"] == "approval"]
+    assert decisions == ["requested", "approved"]
+
+
+def test_a_forged_approval_header_is_refused(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], counter: Counter, broker_url: str,
+) -> None:
+    spawn_worker(concurrency=1, broker_url=broker_url)
+    key = uuid.uuid4().hex[:8]
+    # A producer that is not a ToolTask (send_task checks nothing) sets the
+    # worker's own field as a header: the worker refuses the message.
+    result: Any = app.send_task("tools.approved_write", args=[key], queue="tools",
+                                headers={"tooleffect_approved": "1"})
+    letter = wait_for(lambda: DeadLetters(app).get(result.id), timeout=60,
+                      what="the refused message's dead letter")
+    assert letter.reason == "malformed_message"
+    assert "tooleffect_approved" in letter.error
+    assert counter.value(key) == 0
+    assert Approvals(app).get(result.id) is None
+
+
+def test_a_worker_killed_between_parking_and_acknowledging_leaves_one_record(
+    make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
+    counter: Counter, main_redis: redis.Redis, prefix: str,
+) -> None:
+    visibility_timeout = 3.0
+    app = make_app(**on_broker(prefix, REDIS_URL, visibility_timeout=visibility_timeout))
+    first = spawn_worker(concurrency=1, visibility_timeout=visibility_timeout,
+                         TE_KILL_ON_PARK="1")
+    key = uuid.uuid4().hex[:8]
+    result: Any = app.send_task("tools.approved_write", args=[key], queue="tools")
+    wait_for(lambda: first.process.poll() is not None, timeout=60,
+             what="the worker to kill itself after parking")
+    # The record is stored and the message was never acknowledged: a new
+    # worker gets it again once the visibility timeout lapses.
+    spawn_worker(concurrency=1, visibility_timeout=visibility_timeout)
+    wait_for(lambda: main_redis.hlen(f"{prefix}unacked") == 0
+             and main_redis.llen(f"{prefix}tools") == 0, timeout=60,
+             what="the redelivered message to be acknowledged")
+    assert [a.task_id for a in Approvals(app).list()] == [result.id]
+    requested = [e for e in AuditLog(app).events(result.id) if e["phase"] == "approval"]
+    assert [e["status"] for e in requested] == ["requested"]
+    assert parked(main_redis, prefix) == [result.id]  # the signal fired once
+    assert Approvals(app).approve(result.id).ok
+    assert result.get(timeout=60) == key
+    assert counter.value(key) == 1
+
+
+def test_with_the_store_down_the_call_stays_on_the_broker(
+    make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess],
+    counter: Counter, main_redis: redis.Redis, prefix: str, second_redis: RedisServer,
+) -> None:
+    app = make_app(tooleffect_redis_url=second_redis.url)
+    worker = spawn_worker(concurrency=1, store_url=second_redis.url)
+    second_redis.kill()
+    key = uuid.uuid4().hex[:8]
+    result: Any = app.send_task("tools.approved_write", args=[key], queue="tools")
+    wait_for(lambda: "the store did not answer; requeueing" in worker.output(), timeout=60,
+             what="the worker to requeue the call")
+    # Not acknowledged: the message is queued or held, never gone.
+    assert (main_redis.llen(f"{prefix}tools") + main_redis.hlen(f"{prefix}unacked")) >= 1
+    second_redis.restart()
+    wait_parked(app, result.id)
+    assert [a.task_id for a in Approvals(app).list()] == [result.id]
+    assert counter.value(key) == 0
+
+
+def test_an_interactive_call_is_refused_without_approval(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app()
+
+    @app.task(base=ToolTask, name="local.approved", effect=ToolEffect.IDEMPOTENT_WRITE,
+              requires_approval=True)
+    def approved(x: int) -> int:
+        return x
+
+    with pytest.raises(ApprovalRequired, match="needs a person's approval"):
+        approved(1)
+    with pytest.raises(ApprovalRequired):
+        approved.apply(args=[1]).get()
+
+
+def test_approval_is_declared_in_code_only(make_app: Callable[..., Celery]) -> None:
+    app = make_app()
+
+    @app.task(base=ToolTask, name="local.read", shared=False, requires_approval=True)
+    def read(x: int) -> int:
+        return x
+
+    with pytest.raises(ToolDeclarationError, match="nothing to approve"):
+        app.tasks[read.name]
+
+    annotated_app = make_app(task_annotations={"local.annotated": {"requires_approval": False}})
+
+    @annotated_app.task(base=ToolTask, name="local.annotated", shared=False,
+                        effect=ToolEffect.IDEMPOTENT_WRITE, requires_approval=True)
+    def annotated(x: int) -> int:
+        return x
+
+    with pytest.raises(EffectRelabelRefused, match="requires_approval"):
+        annotated_app.tasks[annotated.name]
+
+    calling_app = make_app()
+
+    @calling_app.task(base=ToolTask, name="local.call", shared=False,
+                      effect=ToolEffect.IDEMPOTENT_WRITE, requires_approval=True)
+    def call(x: int) -> int:
+        return x
+
+    with pytest.raises(EffectRelabelRefused, match="requires_approval"):
+        call.apply_async(args=[1], requires_approval=False)

@@ -1,4 +1,4 @@
-"""Flower 2.x with a "Dead letters" page and a JSON API under ``/api/dead-letters``.
+"""Flower 2.x with "Dead letters" and "Approvals" pages, their JSON APIs, and a gauge.
 
 ``celery -A app tooleffect flower [flower options]`` starts Flower exactly as
 ``celery -A app flower`` does (same options, environment variables, config
@@ -25,6 +25,21 @@ file, authentication, TLS and URL prefix), plus:
   ``dead_letter_reason`` filters and ``reason`` is only the operator's why,
   written in the audit event of a replay or purge (a list request with a
   ``reason`` is refused with 400);
+- an **Approvals** tab: the calls parked until a person approves them
+  (:mod:`celery_tooleffect.admin.approvals`), with filters (queue, tool) and
+  paging, one call's details, and Approve and Reject forms, each with a
+  reason (a rejection needs one); and its JSON API::
+
+      GET  /api/approvals?queue=&tool=&state=&limit=&offset=
+      GET  /api/approvals/stats
+      GET  /api/approvals/<task_id>
+      POST /api/approvals/<task_id>/approve   {"reason": ""}
+      POST /api/approvals/<task_id>/reject    {"reason": "..."}
+
+  (a decision answers one result, with the status codes of a replay);
+- ``tooleffect_approvals_pending{queue,tool}`` on Flower's ``/metrics``: the
+  calls awaiting a decision, read from ``Approvals(app).stats()`` at each
+  scrape (no sample when the store does not answer: absent, never 0);
 - a "Failure class" row on Flower's task page for failed tool tasks (from
   the ``failure_class`` field the worker adds to ``task-failed``).
 
@@ -41,8 +56,9 @@ site submits, and Flower's ``check_xsrf_cookie`` does not stop it. Flower
 POST at all; Flower 2.2 turns it on but overrides ``check_xsrf_cookie`` to
 check no token under ``--basic-auth`` (only the ``Sec-Fetch-Site`` and
 ``Origin`` headers) and nothing at all without authentication. So the
-replay and purge handlers check for themselves, whatever Flower's settings,
-after authentication and before anything is looked up or changed:
+replay, purge, approve and reject handlers check for themselves, whatever
+Flower's settings, after authentication and before anything is looked up or
+changed (the rules below, for the approvals' URLs as for the dead letters'):
 
 - every replay and purge POST (page and API) from a browser must come from
   Flower's own origin: ``Sec-Fetch-Site`` must be ``same-origin`` (or
@@ -63,7 +79,7 @@ after authentication and before anything is looked up or changed:
   object with 400.
 
 Who acted (the authenticated user, else ``anonymous``, and the client address)
-is written in the audit event of every replay and purge.
+is written in the audit event of every replay, purge, approval and rejection.
 """
 
 from __future__ import annotations
@@ -78,11 +94,14 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+import time
+import weakref
+from collections.abc import Callable, Iterator
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
+import prometheus_client
 import tornado.template
 from flower import command as flower_command
 from flower.api import BaseApiHandler
@@ -90,9 +109,12 @@ from flower.app import Flower, rewrite_handler
 from flower.options import options as flower_options
 from flower.urls import settings as flower_settings
 from flower.views import BaseHandler
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
 from tornado import web
 from tornado.web import url
 
+from ..admin.approvals import Approvals
 from ..admin.operations import (
     ActionResult,
     DeadLetterOperations,
@@ -101,7 +123,9 @@ from ..admin.operations import (
 )
 from ..effect import ToolEffect
 from ..failures import FailureClass
+from ..store.approvals import Approval
 from ..store.dead_letters import Cursor, DeadLetterQuery, DeadLetterReason
+from ..store.states import ApprovalState
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +140,16 @@ NAV_ITEM = """
             href="{{ reverse_url('dead_letters') }}" id="nav-dead-letters"
             {% if active_tab == 'dead_letters' %}aria-current="page"{% end %}>Dead letters</a>
         </li>
+        <li class="nav-item">
+          <a class="nav-link{% if active_tab == 'approvals' %} active{% end %}"
+            href="{{ reverse_url('approvals') }}" id="nav-approvals"
+            {% if active_tab == 'approvals' %}aria-current="page"{% end %}>Approvals</a>
+        </li>
 """
+#: Parked calls per page on the Approvals page (``?limit=`` changes it, up to 500).
+APPROVALS_PAGE_SIZE = 50
+#: The gauge on Flower's ``/metrics``.
+APPROVALS_GAUGE = "tooleffect_approvals_pending"
 #: The only media type the API's replay and purge accept (an HTML form cannot send it).
 JSON_MEDIA_TYPE = "application/json"
 HTTP_STATUS = {Outcome.DONE: 200, Outcome.REFUSED: 409, Outcome.NOT_FOUND: 404,
@@ -143,19 +176,22 @@ def run_flower(capp: Any, argv: list[str], *, quiet: bool = False) -> None:
 
 
 def make_flower(capp: Any, options: Any, settings: dict[str, Any]) -> Any:
-    """A Flower application with the Dead letters page, its API and the failure class row."""
+    """A Flower application with the Dead letters and Approvals pages, their APIs, the
+    approvals gauge on ``/metrics`` and the failure class row."""
     settings = dict(settings)
     settings["template_loader"] = TemplateLoader(
         str(settings["template_path"]), autoescape="xhtml_escape"
     )
     flower_app = Flower(capp=capp, options=options, **settings)
     flower_app.tooleffect_operations = DeadLetterOperations(capp)
-    handlers: list[Any] = dead_letter_handlers()
+    flower_app.tooleffect_approvals = Approvals(capp)
+    handlers: list[Any] = dead_letter_handlers() + approval_handlers()
     if options.url_prefix:
         handlers = [rewrite_handler(handler, options.url_prefix) for handler in handlers]
     # Before Flower's catch-all 404 handler (tornado inserts new hosts' rules first).
     flower_app.add_handlers(r".*", handlers)
     show_failure_class(flower_app)
+    export_approvals_gauge(flower_app.tooleffect_approvals)
     return flower_app
 
 
@@ -173,10 +209,25 @@ def dead_letter_handlers() -> list[Any]:
     ]
 
 
-class TemplateLoader(tornado.template.Loader):
-    """Flower's templates, plus this package's, with a Dead letters item in the navbar.
+def approval_handlers() -> list[Any]:
+    """The Approvals page's and API's URL rules (without Flower's URL prefix)."""
+    return [
+        url(r"/approvals", ApprovalsPage, name="approvals"),
+        url(r"/approvals/([^/]+)", ApprovalPage, name="approval"),
+        url(r"/approvals/([^/]+)/(approve|reject)", ApprovalActionPage,
+            name="approval_action"),
+        (r"/api/approvals", ApprovalsApi),
+        (r"/api/approvals/stats", ApprovalStatsApi),
+        (r"/api/approvals/([^/]+)", ApprovalApi),
+        (r"/api/approvals/([^/]+)/(approve|reject)", ApprovalActionApi),
+    ]
 
-    The navigation item is inserted into Flower's own ``navbar.html`` when it
+
+class TemplateLoader(tornado.template.Loader):
+    """Flower's templates, plus this package's, with Dead letters and Approvals
+    items in the navbar.
+
+    The navigation items are inserted into Flower's own ``navbar.html`` when it
     is loaded (before the end of its first list), so every Flower page shows
     it without copying Flower's template.
     """
@@ -198,10 +249,12 @@ class TemplateLoader(tornado.template.Loader):
 
 
 def with_nav_item(navbar: str) -> str:
-    """Flower's navbar template with the Dead letters item at the end of its first list."""
+    """Flower's navbar template with the Dead letters and Approvals items at the end
+    of its first list."""
     end = navbar.find("</ul>")
     if end < 0:
-        logger.warning("Flower's navbar has no list: the Dead letters tab is not shown")
+        logger.warning("Flower's navbar has no list: the Dead letters and Approvals tabs "
+                       "are not shown")
         return navbar
     return navbar[:end] + NAV_ITEM + navbar[end:]
 
@@ -239,16 +292,13 @@ def show_failure_class(flower_app: Any) -> None:
 # -- shared by the page and the API ---------------------------------------------------
 
 
-class _DeadLetterMixin:
-    """What the page and the API share: the operations and who is acting."""
+class _ToolEffectMixin:
+    """What every page and API handler here shares: who is acting, the request
+    checks of a state-changing POST, and running blocking calls off the loop."""
 
     application: Any
     request: Any
     current_user: Any
-
-    @property
-    def operations(self) -> DeadLetterOperations:
-        return self.application.tooleffect_operations  # type: ignore[no-any-return]
 
     def actor(self) -> str:
         user = self.current_user
@@ -267,6 +317,48 @@ class _DeadLetterMixin:
         """Run ``function`` (Redis and broker calls) off the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, functools.partial(function, *args, **kwargs))
+
+    def check_xsrf_token(self) -> None:
+        """Tornado's own ``_xsrf`` check (403 when the token is missing or wrong).
+
+        Called explicitly, since tornado calls ``check_xsrf_cookie`` only when
+        the ``xsrf_cookies`` setting is on (Flower 2.0 leaves it off), and
+        tornado's method, since Flower 2.2's override checks no token under
+        ``--basic-auth``.
+        """
+        web.RequestHandler.check_xsrf_cookie(cast(web.RequestHandler, self))
+
+    def json_body(self) -> dict[str, Any]:
+        """The request's JSON object ({} for an empty body); 415 unless it is sent as JSON.
+
+        Only ``Content-Type: application/json`` is accepted: an HTML form can
+        send ``application/x-www-form-urlencoded``, ``multipart/form-data`` and
+        ``text/plain`` (which can carry a body that looks like JSON) to any
+        site, never ``application/json``.
+        """
+        content_type = self.request.headers.get("Content-Type", "")
+        if content_type.split(";", 1)[0].strip().lower() != JSON_MEDIA_TYPE:
+            raise web.HTTPError(
+                415, f"Send a JSON object with Content-Type: {JSON_MEDIA_TYPE} "
+                     f"(got {content_type or 'no Content-Type'})")
+        raw = self.request.body
+        if not raw.strip():
+            return {}
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:  # UnicodeDecodeError included
+            raise web.HTTPError(400, f"invalid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise web.HTTPError(400, "the body must be a JSON object")
+        return data
+
+
+class _DeadLetterMixin(_ToolEffectMixin):
+    """What the dead-letter page and API share: the operations."""
+
+    @property
+    def operations(self) -> DeadLetterOperations:
+        return self.application.tooleffect_operations  # type: ignore[no-any-return]
 
     def query_from(self, get: Callable[..., Any]) -> DeadLetterQuery:
         """The list's filters: ``queue``, ``dead_letter_reason``, ``failure_class``, ``effect``.
@@ -445,16 +537,6 @@ class DeadLetterActionPage(_DetailPage):
             )
         await self.render_detail(task_id, result, HTTP_STATUS[result.outcome])
 
-    def check_xsrf_token(self) -> None:
-        """Tornado's own ``_xsrf`` check (403 when the token is missing or wrong).
-
-        Called explicitly, since tornado calls ``check_xsrf_cookie`` only when
-        the ``xsrf_cookies`` setting is on (Flower 2.0 leaves it off), and
-        tornado's method, since Flower 2.2's override checks no token under
-        ``--basic-auth``.
-        """
-        web.RequestHandler.check_xsrf_cookie(self)
-
 
 def _pretty(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False, default=str, sort_keys=True)
@@ -528,26 +610,270 @@ class DeadLetterActionApi(_DeadLetterMixin, BaseApiHandler):  # type: ignore[mis
         self.set_status(HTTP_STATUS[result.outcome])
         self.write(result.to_dict())
 
-    def json_body(self) -> dict[str, Any]:
-        """The request's JSON object ({} for an empty body); 415 unless it is sent as JSON.
 
-        Only ``Content-Type: application/json`` is accepted: an HTML form can
-        send ``application/x-www-form-urlencoded``, ``multipart/form-data`` and
-        ``text/plain`` (which can carry a body that looks like JSON) to any
-        site, never ``application/json``.
-        """
-        content_type = self.request.headers.get("Content-Type", "")
-        if content_type.split(";", 1)[0].strip().lower() != JSON_MEDIA_TYPE:
-            raise web.HTTPError(
-                415, f"Send a JSON object with Content-Type: {JSON_MEDIA_TYPE} "
-                     f"(got {content_type or 'no Content-Type'})")
-        raw = self.request.body
-        if not raw.strip():
-            return {}
+# -- approvals: shared by the page and the API -------------------------------------------
+
+
+class _ApprovalMixin(_ToolEffectMixin):
+    """What the Approvals page and API share: the operations and the list's filters."""
+
+    @property
+    def approvals(self) -> Approvals:
+        return self.application.tooleffect_approvals  # type: ignore[no-any-return]
+
+    def approval_filters(
+        self, get: Callable[..., Any]
+    ) -> tuple[str | None, str | None, ApprovalState | None]:
+        """The list's filters: ``queue``, ``tool`` and ``state`` (400 for an unknown state)."""
+        state = get("state", "") or ""
         try:
-            data = json.loads(raw)
-        except ValueError as exc:  # UnicodeDecodeError included
-            raise web.HTTPError(400, f"invalid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise web.HTTPError(400, "the body must be a JSON object")
-        return data
+            wanted = ApprovalState.coerce(state) if state else None
+        except ValueError as exc:
+            raise web.HTTPError(400, str(exc)) from None
+        return get("queue", "") or None, get("tool", "") or None, wanted
+
+    async def decide(self, task_id: str, verb: str, reason: str) -> ActionResult:
+        """Approve or reject ``task_id`` as the logged-in user; a rejection needs a reason."""
+        return await self.blocking(_decide, self.approvals, task_id, verb,
+                                   by=self.actor(), reason=reason.strip())
+
+
+def _decide(approvals: Approvals, task_id: str, verb: str, *, by: str,
+            reason: str) -> ActionResult:
+    if verb == "reject" and not reason:
+        approval = approvals.get(task_id)
+        if approval is None:
+            return ActionResult(task_id, verb, Outcome.NOT_FOUND,
+                                f"{task_id}: no call waits for approval under this id")
+        return ActionResult(task_id, verb, Outcome.REFUSED,
+                            f"{approval.name}[{task_id}]: a rejection needs a reason "
+                            "(written in the audit log); nothing was decided",
+                            approval.name, approval.effect, approval.queue)
+    if verb == "approve":
+        return approvals.approve(task_id, by=by, reason=reason)
+    return approvals.reject(task_id, by=by, reason=reason)
+
+
+def _offset(value: Any) -> int:
+    try:
+        return max(int(value), 0) if value not in (None, "") else 0
+    except (TypeError, ValueError):
+        raise web.HTTPError(400, f"not an offset: {value!r}") from None
+
+
+def _age(seconds: float) -> str:
+    """How long a call has waited, for people: ``42 s``, ``5 min``, ``3 h 5 min``, ``2 d 3 h``."""
+    seconds = max(int(seconds), 0)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if seconds < 3600:
+        return f"{minutes} min"
+    if seconds < 86400:
+        return f"{hours} h {minutes % 60} min"
+    return f"{days} d {hours % 24} h"
+
+
+_APPROVAL_STATE_BADGES = {
+    ApprovalState.PENDING: "text-bg-warning", ApprovalState.APPROVED: "text-bg-success",
+    ApprovalState.REJECTED: "text-bg-danger", ApprovalState.EXPIRED: "text-bg-secondary",
+    ApprovalState.ENDED: "text-bg-dark", ApprovalState.ABSENT: "text-bg-light",
+}
+
+
+def _state_badge(approval: Approval) -> str:
+    return _APPROVAL_STATE_BADGES.get(approval.state, "text-bg-secondary")
+
+
+# -- approvals: the page ----------------------------------------------------------------------
+
+
+class _ApprovalPages(_ApprovalMixin, BaseHandler):  # type: ignore[misc]
+    """Renders the Approvals list and one call's page."""
+
+    async def render_list(self) -> None:
+        get = functools.partial(self.get_argument, escape=False)
+        queue, tool, state = self.approval_filters(get)
+        limit = _limit(get("limit", ""), APPROVALS_PAGE_SIZE)
+        offset = _offset(get("offset", ""))
+        approvals = self.approvals
+        stats = await self.blocking(approvals.stats)
+        found = await self.blocking(approvals.list, queue=queue, tool=tool, state=state)
+        shown = found[offset:offset + limit]
+        self.render(
+            "tooleffect_approvals.html",
+            approvals=shown,
+            total=len(found),
+            offset=offset,
+            limit=limit,
+            next_offset=offset + limit if offset + limit < len(found) else None,
+            stats=stats,
+            queues=sorted(set(stats["by_queue"]) | ({queue} if queue else set())),
+            tools=sorted(set(stats["by_tool"]) | ({tool} if tool else set())),
+            queue=queue or "",
+            tool=tool or "",
+            state=state.value if state is not None else "",
+            now=time.time(),
+            age=_age,
+            badge=_state_badge,
+        )
+
+    async def render_detail(
+        self, task_id: str, result: ActionResult | None = None, status: int = 200
+    ) -> None:
+        approval = await self.blocking(self.approvals.get, task_id)
+        if approval is None and result is None:
+            raise web.HTTPError(404, f"No call waits for approval under {task_id!r}")
+        events: list[dict[str, str]] = []
+        if approval is not None:
+            run_events = await self.blocking(self.approvals.runtime.audit.events,
+                                             approval.run_id)
+            events = [event for event in run_events if event.get("task_id") == task_id]
+        self.set_status(status)
+        self.render(
+            "tooleffect_approval.html",
+            task_id=task_id,
+            approval=approval,
+            events=events,
+            result=result,
+            now=time.time(),
+            age=_age,
+            badge=_state_badge,
+            pretty=_pretty,
+        )
+
+
+class ApprovalsPage(_ApprovalPages):
+    """``/approvals``: the parked calls, with filters and paging."""
+
+    @web.authenticated
+    async def get(self) -> None:
+        await self.render_list()
+
+
+class ApprovalPage(_ApprovalPages):
+    """``/approvals/<task_id>``: one call, with its Approve and Reject forms."""
+
+    @web.authenticated
+    async def get(self, task_id: str) -> None:
+        await self.render_detail(task_id)
+
+
+class ApprovalActionPage(_ApprovalPages):
+    """``POST /approvals/<task_id>/(approve|reject)`` from the page's forms."""
+
+    @web.authenticated
+    async def post(self, task_id: str, verb: str) -> None:
+        self.refuse_cross_origin()
+        self.check_xsrf_token()
+        reason = self.get_argument("reason", "", escape=False) or ""
+        result = await self.decide(task_id, verb, reason)
+        await self.render_detail(task_id, result, HTTP_STATUS[result.outcome])
+
+
+# -- approvals: the API -----------------------------------------------------------------------
+
+
+class ApprovalsApi(_ApprovalMixin, BaseApiHandler):  # type: ignore[misc]
+    """``GET /api/approvals``: one page of the listed calls, oldest first."""
+
+    @web.authenticated
+    async def get(self) -> None:
+        get = functools.partial(self.get_argument, escape=False)
+        queue, tool, state = self.approval_filters(get)
+        limit = _limit(get("limit", ""), 50)
+        offset = _offset(get("offset", ""))
+        found = await self.blocking(self.approvals.list, queue=queue, tool=tool, state=state)
+        self.write({
+            "approvals": [approval.to_dict() for approval in found[offset:offset + limit]],
+            "next_offset": offset + limit if offset + limit < len(found) else None,
+            "total": len(found),
+        })
+
+
+class ApprovalStatsApi(_ApprovalMixin, BaseApiHandler):  # type: ignore[misc]
+    """``GET /api/approvals/stats``: pending calls by queue and tool."""
+
+    @web.authenticated
+    async def get(self) -> None:
+        self.write(await self.blocking(self.approvals.stats))
+
+
+class ApprovalApi(_ApprovalMixin, BaseApiHandler):  # type: ignore[misc]
+    """``GET /api/approvals/<task_id>``: the call's record, pending or decided."""
+
+    @web.authenticated
+    async def get(self, task_id: str) -> None:
+        approval = await self.blocking(self.approvals.get, task_id)
+        if approval is None:
+            raise web.HTTPError(404, f"No call waits for approval under {task_id!r}")
+        self.write(approval.to_dict())
+
+
+class ApprovalActionApi(_ApprovalMixin, BaseApiHandler):  # type: ignore[misc]
+    """``POST /api/approvals/<task_id>/(approve|reject)``: one result as JSON."""
+
+    @web.authenticated
+    async def post(self, task_id: str, verb: str) -> None:
+        self.refuse_cross_origin()
+        body = self.json_body()
+        result = await self.decide(task_id, verb, str(body.get("reason") or ""))
+        self.set_status(HTTP_STATUS[result.outcome])
+        self.write(result.to_dict())
+
+
+# -- approvals: the gauge on Flower's /metrics ------------------------------------------------
+
+
+class ApprovalsGauge:
+    """A prometheus_client collector of ``tooleffect_approvals_pending{queue,tool}``.
+
+    Read from ``Approvals(app).stats()`` at each scrape (which, as every read
+    of the approvals, also expires the calls nobody decided in time). A pair
+    with no pending call has no sample; when the store does not answer, the
+    gauge has no sample at all (absent, never a false 0) and a warning is logged.
+    """
+
+    def __init__(self, approvals: Approvals) -> None:
+        self.approvals = approvals
+
+    @staticmethod
+    def family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            APPROVALS_GAUGE, "Tool calls awaiting a person's approval (celery-tooleffect).",
+            labels=["queue", "tool"],
+        )
+
+    def describe(self) -> list[Metric]:
+        # Its name, without a scrape's Redis reads (registering calls this).
+        return [self.family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self.family()
+        try:
+            stats = self.approvals.stats()
+        except Exception as exc:  # the rest of /metrics is served all the same
+            logger.warning("%s not served: %s: %s", APPROVALS_GAUGE, type(exc).__name__, exc)
+            return
+        for row in stats["by_queue_and_tool"]:
+            family.add_metric([row["queue"], row["tool"]], row["pending"])
+        yield family
+
+
+#: The gauge each registry serves (a second Flower app in a process replaces the first's).
+_gauges: weakref.WeakKeyDictionary[CollectorRegistry, ApprovalsGauge] = (
+    weakref.WeakKeyDictionary())
+
+
+def export_approvals_gauge(
+    approvals: Approvals, registry: CollectorRegistry = prometheus_client.REGISTRY
+) -> ApprovalsGauge:
+    """Serve ``tooleffect_approvals_pending`` from ``registry``: by default
+    prometheus_client's own, the one Flower's ``/metrics`` writes out."""
+    gauge = ApprovalsGauge(approvals)
+    previous = _gauges.pop(registry, None)
+    if previous is not None:
+        registry.unregister(previous)
+    registry.register(gauge)
+    _gauges[registry] = gauge
+    return gauge

@@ -56,7 +56,7 @@ from ..store.audit import StepContext, describe_payload, worker_identity
 from ..store.envelope import MessageEnvelope
 from ..store.runtime import ToolRuntime, runtime_for
 from ..store.states import ApprovalState
-from .attempt import APPROVED_FIELD, Attempt
+from .attempt import APPROVED_FIELD, FORGED_FIELD, Attempt
 from .signals import AUDITED_MARK
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,10 @@ def needs_approval(task: Any, args: Any, kwargs: Any) -> bool:
 def gate(request: Any) -> bool:
     """Let ``request`` (a ``ToolRequest``) through (False) or end its delivery
     here (True); see the module docs."""
+    if request._request_dict.get(FORGED_FIELD):
+        # A message that sets the package's own headers (tooleffect_approved
+        # among them) is dead-lettered by the pool process before anything runs.
+        return False
     if not needs_approval(request.task, request.args, request.kwargs):
         return False
     attempt: Attempt = request._attempt()
