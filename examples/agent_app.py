@@ -26,6 +26,11 @@ Two more tools fail on purpose, so that there are dead letters to look at
   confirmation and a reason. It passes its ``idempotency_key`` to the provider
   stand-in and declares ``reconcile``: a charge interrupted by a killed worker
   is settled by asking the provider, not dead-lettered.
+
+And one waits for a person: ``refund_order`` (IDEMPOTENT_WRITE) needs an
+approval for refunds above 100.00; such a call is parked until someone
+approves or rejects it (``celery -A examples.agent_app tooleffect approvals
+list``, or Flower's Approvals page).
 """
 
 from __future__ import annotations
@@ -157,3 +162,19 @@ def charge_card(self: ToolTask, customer_id: str, amount_cents: int) -> str:
     if client.hsetnx(f"{prefix}provider:charges", self.idempotency_key, charge):
         client.rpush(f"{prefix}charges", f"{customer_id}:{amount_cents}")
     return charge
+
+
+def large_refunds(self: ToolTask, order_id: str, amount_cents: int) -> bool:
+    """The approval policy of ``refund_order``: a person approves refunds above 100.00."""
+    return amount_cents > 10_000
+
+
+@app.task(
+    base=ToolTask, name="agent.refund_order", effect=ToolEffect.IDEMPOTENT_WRITE,
+    operation_deadline=60, requires_approval=large_refunds,
+)
+def refund_order(order_id: str, amount_cents: int) -> str:
+    """Refund an order (once per order: the refund is keyed by it)."""
+    client, prefix = world(app)
+    client.hset(f"{prefix}refunds", order_id, amount_cents)
+    return f"refunded {amount_cents} cents on {order_id}"

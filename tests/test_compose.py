@@ -212,8 +212,8 @@ def test_the_example_app_registers_the_demo_tools() -> None:
     )
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.split("\n")[0] == str(
-        ["agent.charge_card", "agent.search_catalog", "agent.send_invoice",
-         "agent.set_shipping_address", "agent.sync_crm_contact"]
+        ["agent.charge_card", "agent.refund_order", "agent.search_catalog",
+         "agent.send_invoice", "agent.set_shipping_address", "agent.sync_crm_contact"]
     )
 
 
@@ -314,6 +314,7 @@ def test_the_stack_ends_with_dead_letters_for_the_page(
         assert letters["agent.sync_crm_contact"]["effect"] == "idempotent_write"
         assert letters["agent.charge_card"]["failure_class"] == "client_error"
         assert letters["agent.charge_card"]["effect"] == "non_idempotent_write"
+        assert produced.stdout.count(": awaiting approval (") == 1, produced.stdout
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         try:

@@ -110,9 +110,10 @@ def test_the_api_lists_approves_and_rejects_and_the_gauge_follows(
         return dict(json.loads(body))
 
     everything = listed()
-    assert set(everything) == {"approvals", "next_offset", "total"}
+    assert set(everything) == {"approvals", "count", "next_offset", "total"}
     assert [entry["task_id"] for entry in everything["approvals"]] == [write.id, refund.id]
-    assert everything["total"] == 2 and everything["next_offset"] is None
+    assert everything["count"] == everything["total"] == 2
+    assert everything["next_offset"] is None
     first = everything["approvals"][0]
     assert (first["name"], first["queue"], first["state"]) == (WRITE, "tools", "pending")
     assert first["arguments"] == {"args_size": str(len(json.dumps([key]))), "kwargs_size": "2"}
@@ -122,11 +123,12 @@ def test_the_api_lists_approves_and_rejects_and_the_gauge_follows(
     assert [e["task_id"] for e in listed(f"tool={REFUND}")["approvals"]] == [refund.id]
     assert [e["task_id"] for e in listed("queue=tools&state=pending")["approvals"]] == [
         write.id, refund.id]
-    assert listed("queue=elsewhere") == {"approvals": [], "next_offset": None, "total": 0}
+    assert listed("queue=elsewhere") == {"approvals": [], "count": 0, "next_offset": None,
+                                         "total": 0}
     assert listed("state=approved")["approvals"] == []
     page = listed("limit=1")
     assert [e["task_id"] for e in page["approvals"]] == [write.id]
-    assert page["next_offset"] == 1 and page["total"] == 2
+    assert (page["count"], page["next_offset"], page["total"]) == (1, 1, 2)
     page = listed(f"limit=1&offset={page['next_offset']}")
     assert [e["task_id"] for e in page["approvals"]] == [refund.id]
     assert page["next_offset"] is None
@@ -188,7 +190,7 @@ def test_the_api_lists_approves_and_rejects_and_the_gauge_follows(
     assert counter.value(refund_key) == 0
 
     assert _request(f"{api}/nope/approve", method="POST", body={}, user=USER)[0] == 404
-    assert listed() == {"approvals": [], "next_offset": None, "total": 0}
+    assert listed() == {"approvals": [], "count": 0, "next_offset": None, "total": 0}
     assert pending_gauge(flower) == {}
 
 

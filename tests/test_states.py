@@ -105,3 +105,36 @@ def test_settled_states_are_left_only_by_a_replay_or_a_reconciliation() -> None:
 
 def test_the_scripts_receive_allowed_states_as_values() -> None:
     assert states.allowed_argument(states.SUCCEED_FROM) == "absent running"
+
+
+# -- the approval machine ----------------------------------------------------------
+
+
+def test_approval_scripts_take_their_states_as_arguments() -> None:
+    sources = lua_sources()
+    for name in ("approval_request.lua", "approval_transition.lua"):
+        code = code_lines(sources[name])
+        # No state is spelled in the code but 'absent' (no record): the
+        # states come from states.py as arguments, or from the record itself.
+        assert set(re.findall(r"'([a-z_]+)'", code)) <= {
+            "absent", "state", "ok", "exists", "refused", "HGET", "HSET", "EXPIRE",
+        } | {word for word in re.findall(r"'([A-Z]+)'", code)}, name
+    assert states.approval_argument(states.DECIDE_FROM) == "pending"
+    assert states.approval_argument(states.END_REFUSED_FROM) == "expired rejected"
+
+
+def test_every_approval_state_is_reachable_and_drawn_in_the_diagram() -> None:
+    reachable = set(states.APPROVAL_TRANSITIONS) | {states.ApprovalState.ABSENT}
+    assert reachable == set(states.ApprovalState)
+    diagram = states.__doc__ or ""
+    for state in states.ApprovalState:
+        assert re.search(rf"\b{state.value}\b", diagram), f"{state.value} not in the diagram"
+
+
+def test_a_decision_is_taken_once() -> None:
+    deciding = {target for target, sources in states.APPROVAL_TRANSITIONS.items()
+                if sources == states.DECIDE_FROM}
+    assert deciding == {states.ApprovalState.APPROVED, states.ApprovalState.REJECTED,
+                        states.ApprovalState.EXPIRED}
+    assert states.DECIDE_FROM == {states.ApprovalState.PENDING}
+    assert not states.REFUSED & {states.ApprovalState.APPROVED, states.ApprovalState.PENDING}

@@ -775,7 +775,9 @@ class ApprovalActionPage(_ApprovalPages):
 
 
 class ApprovalsApi(_ApprovalMixin, BaseApiHandler):  # type: ignore[misc]
-    """``GET /api/approvals``: one page of the listed calls, oldest first."""
+    """``GET /api/approvals``: one page of the listed calls, oldest first, as
+    ``approvals list --json`` (``count``: on this page) with ``next_offset`` (null on
+    the last page) and ``total`` (every call the filters match)."""
 
     @web.authenticated
     async def get(self) -> None:
@@ -784,8 +786,10 @@ class ApprovalsApi(_ApprovalMixin, BaseApiHandler):  # type: ignore[misc]
         limit = _limit(get("limit", ""), 50)
         offset = _offset(get("offset", ""))
         found = await self.blocking(self.approvals.list, queue=queue, tool=tool, state=state)
+        shown = found[offset:offset + limit]
         self.write({
-            "approvals": [approval.to_dict() for approval in found[offset:offset + limit]],
+            "approvals": [approval.to_dict() for approval in shown],
+            "count": len(shown),
             "next_offset": offset + limit if offset + limit < len(found) else None,
             "total": len(found),
         })
