@@ -136,5 +136,5 @@ def test_a_decision_is_taken_once() -> None:
                 if sources == states.DECIDE_FROM}
     assert deciding == {states.ApprovalState.APPROVED, states.ApprovalState.REJECTED,
                         states.ApprovalState.EXPIRED}
-    assert states.DECIDE_FROM == {states.ApprovalState.PENDING}
+    assert {states.ApprovalState.PENDING} == states.DECIDE_FROM
     assert not states.REFUSED & {states.ApprovalState.APPROVED, states.ApprovalState.PENDING}
