@@ -63,8 +63,8 @@ def park(app: Celery, name: str, *args: Any) -> str:
     return str(result.id)
 
 
-def decisions(app: Celery, run_id: str) -> list[tuple[str, str, str]]:
-    return [(e["status"], e.get("actor", ""), e.get("reason", ""))
+def decisions(app: Celery, run_id: str) -> list[tuple[str, str, str, str]]:
+    return [(e["status"], e.get("actor", ""), e.get("reason", ""), e.get("via", ""))
             for e in AuditLog(app).events(run_id) if e["phase"] == "approval"]
 
 
@@ -175,8 +175,8 @@ def test_approved_from_the_cli_runs_once_and_a_second_approval_is_refused(
     assert counter.value(key) == 1  # the body ran once
     record = Approvals(app).get(task_id)
     assert record is not None and record.state is ApprovalState.APPROVED
-    assert decisions(app, task_id) == [("requested", "", ""),
-                                       ("approved", "ops-cli", "ticket 42")]
+    assert decisions(app, task_id) == [("requested", "", "", ""),
+                                       ("approved", "ops-cli", "ticket 42", "cli")]
 
 
 def test_rejected_from_the_cli_ends_failure_and_nothing_runs(
@@ -201,8 +201,8 @@ def test_rejected_from_the_cli_ends_failure_and_nothing_runs(
     assert type(failed.result).__name__ == "ApprovalRejected"
     assert "by bob: not this customer" in str(failed.result)
     assert counter.value(key) == 0  # nothing of the body ran
-    assert decisions(app, task_id) == [("requested", "", ""),
-                                       ("rejected", "bob", "not this customer")]
+    assert decisions(app, task_id) == [("requested", "", "", ""),
+                                       ("rejected", "bob", "not this customer", "cli")]
 
     def ended() -> dict[str, Any]:
         shown: dict[str, Any] = as_json(operator(prefix, broker_url, "show", task_id,

@@ -158,7 +158,7 @@ def test_the_api_lists_approves_and_rejects_and_the_gauge_follows(
     assert counter.value(key) == 1
     [approved] = decisions(app, write.id)
     assert approved["status"] == "approved"
-    assert approved["actor"].startswith("ops (flower ")
+    assert approved["actor"].startswith("ops (flower ") and approved["via"] == "flower"
     assert approved["reason"] == "checked with the customer"
     assert pending_gauge(flower).get(("tools", WRITE), 0.0) == 0.0
     assert pending_gauge(flower)[("tools", REFUND)] == 1.0

@@ -13,7 +13,6 @@ the workers' sweep does, so an operator never sees an overdue call as pending.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreUnavailable
@@ -80,24 +79,24 @@ class Approvals:
 
     # -- deciding --------------------------------------------------------------
 
-    def approve(self, task_id: str, *, by: str | None = None, reason: str = "") -> ActionResult:
-        """Approve a pending call: it is published again and runs once."""
-        return self._decide(task_id, ApprovalState.APPROVED, by=by, reason=reason)
+    def approve(self, task_id: str, *, by: str | None = None, reason: str = "",
+                via: str = "python") -> ActionResult:
+        """Approve a pending call: it is published again and runs once. ``by``
+        (default ``$TOOLEFFECT_ACTOR`` or ``user@host``), ``reason`` and ``via``
+        (``cli``, ``flower``, ``python``) are written in the audit event."""
+        return self._decide(task_id, ApprovalState.APPROVED, by=by, reason=reason, via=via)
 
-    def reject(self, task_id: str, *, by: str | None = None, reason: str = "") -> ActionResult:
+    def reject(self, task_id: str, *, by: str | None = None, reason: str = "",
+               via: str = "python") -> ActionResult:
         """Reject a pending call: it ends FAILURE (``ApprovalRejected``), nothing runs."""
-        return self._decide(task_id, ApprovalState.REJECTED, by=by, reason=reason)
-
-    def decide_all(self, task_ids: Iterable[str], state: ApprovalState, *,
-                   by: str | None = None, reason: str = "") -> builtins.list[ActionResult]:
-        return [self._decide(task_id, state, by=by, reason=reason) for task_id in task_ids]
+        return self._decide(task_id, ApprovalState.REJECTED, by=by, reason=reason, via=via)
 
     def expire_overdue(self) -> builtins.list[Approval]:
         """Reject as expired the calls that waited past the timeout (see the module docs)."""
         return expire_overdue(self.app)
 
     def _decide(self, task_id: str, state: ApprovalState, *, by: str | None,
-                reason: str) -> ActionResult:
+                reason: str, via: str) -> ActionResult:
         verb = _VERBS[state]
         actor = by or default_actor()
         try:
@@ -108,14 +107,14 @@ class Approvals:
             if approval.state is not ApprovalState.PENDING:
                 # A decision whose message is not published yet is published
                 # now; the decision itself stands.
-                decide(self.app, approval, state, by=actor, reason=reason)
+                decide(self.app, approval, state, by=actor, reason=reason, via=via)
                 return ActionResult(
                     task_id, verb, Outcome.REFUSED,
                     f"{_label(approval)} was decided already: {approval.state.value}"
                     + (f" by {approval.decided_by}" if approval.decided_by else ""),
                     approval.name, approval.effect, approval.queue,
                 )
-            move = decide(self.app, approval, state, by=actor, reason=reason)
+            move = decide(self.app, approval, state, by=actor, reason=reason, via=via)
         except StoreUnavailable as exc:
             return ActionResult(task_id, verb, Outcome.FAILED, f"{task_id}: {exc}")
         except Exception as exc:  # publishing failed: the decision stands, listed

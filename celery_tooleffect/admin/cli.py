@@ -667,7 +667,7 @@ def _decide(ctx: click.Context, task_ids: tuple[str, ...], approve: bool, by: st
     actor = (by or "").strip() or default_actor()
     reason = why.strip()[:REASON_LIMIT]
     decide = operations.approve if approve else operations.reject
-    results = (decide(task_id, by=actor, reason=reason) for task_id in task_ids)
+    results = (decide(task_id, by=actor, reason=reason, via="cli") for task_id in task_ids)
     _report(results, as_json, "approved" if approve else "rejected")
 
 

@@ -650,8 +650,8 @@ def _decide(approvals: Approvals, task_id: str, verb: str, *, by: str,
                             "(written in the audit log); nothing was decided",
                             approval.name, approval.effect, approval.queue)
     if verb == "approve":
-        return approvals.approve(task_id, by=by, reason=reason)
-    return approvals.reject(task_id, by=by, reason=reason)
+        return approvals.approve(task_id, by=by, reason=reason, via="flower")
+    return approvals.reject(task_id, by=by, reason=reason, via="flower")
 
 
 def _offset(value: Any) -> int:

@@ -180,18 +180,18 @@ def _exception_info(exc: BaseException) -> ExceptionInfo:
 
 
 def decision_event(approval: Approval, state: ApprovalState, *, by: str,
-                   reason: str) -> AuditEvent:
+                   reason: str, via: str) -> AuditEvent:
     """The audit event of a decision on ``approval``."""
     context = StepContext(
         run_id=approval.run_id, task_id=approval.task_id, tool=approval.name,
         effect=ToolEffect.coerce(approval.effect), queue=approval.queue, redelivered=False,
         worker=worker_identity(),
     )
-    return context.event("approval", state.value, actor=by, reason=reason)
+    return context.event("approval", state.value, actor=by, reason=reason, via=via)
 
 
 def decide(app: Any, approval: Approval, state: ApprovalState, *, by: str,
-           reason: str) -> ApprovalMove:
+           reason: str, via: str) -> ApprovalMove:
     """Take the decision ``state`` (approved, rejected, expired) on a pending call,
     once, then publish its message again and take it off the pending index.
 
@@ -203,7 +203,7 @@ def decide(app: Any, approval: Approval, state: ApprovalState, *, by: str,
     runtime = runtime_for(app)
     move = runtime.approvals.transition(
         approval, new_state=state, allowed=states.DECIDE_FROM,
-        event=decision_event(approval, state, by=by, reason=reason),
+        event=decision_event(approval, state, by=by, reason=reason, via=via),
         fields={"decided_by": by, "decided_at": f"{time.time():.6f}", "reason": reason},
     )
     if move or _listed_but_decided(runtime, approval):
@@ -237,7 +237,7 @@ def expire_overdue(app: Any, now: float | None = None) -> list[Approval]:
             publish_decided(app, approval)
             runtime.approvals.unlist(approval.task_id)
             continue
-        move = decide(app, approval, ApprovalState.EXPIRED, by="tooleffect",
+        move = decide(app, approval, ApprovalState.EXPIRED, by="tooleffect", via="sweep",
                       reason="no decision within tooleffect_approval_timeout "
                              f"({runtime.settings.approval_timeout:g} s)")
         if move:
