@@ -129,8 +129,6 @@ def finish_dead_letter(
 
 
 @dataclass(frozen=True)
-
-
 class PendingLetter:
     """A dead letter decided by a tool, on its way to the process that holds the message.
 
