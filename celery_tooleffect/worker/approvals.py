@@ -56,6 +56,7 @@ from ..store.audit import StepContext, describe_payload, worker_identity
 from ..store.envelope import MessageEnvelope
 from ..store.runtime import ToolRuntime, runtime_for
 from ..store.states import ApprovalState
+from . import telemetry
 from .attempt import APPROVED_FIELD, FORGED_FIELD, Attempt
 from .signals import AUDITED_MARK
 
@@ -120,6 +121,7 @@ def _park(request: Any, attempt: Attempt, runtime: ToolRuntime) -> ApprovalState
     if existing is not None:
         return existing
     logger.info("%s[%s] parked until a person approves it", request.name, request.id)
+    telemetry.approval_requested(attempt, request._message.headers)
     approval_requested.send(sender=request.task, approval=approval)
     return ApprovalState.PENDING
 

@@ -57,6 +57,7 @@ from ..store.journal import Begin
 from ..store.leases import LeaseVerdict
 from ..store.runtime import ToolRuntime
 from ..store.states import ApprovalState, Ending, JournalState, Verdict
+from . import telemetry
 from .attempt import (
     APPROVED_FIELD,
     FENCING_TOKEN_FIELD,
@@ -70,6 +71,7 @@ from .heartbeat import Heartbeat, LeasePlan, plan_leases
 from .letters import begin_dead_letter, build_letter
 from .retries import REQUESTED_EXHAUSTED_MARK, RetryPolicy, exhausted_text
 from .signals import AUDITED_MARK
+from .telemetry import tool_call_span
 
 logger = logging.getLogger(__name__)
 
@@ -155,11 +157,15 @@ class Execution:
         return f"{self.tool.name}[{self.attempt.task_id}]"
 
     def run(self) -> Any:
-        self._check_message()
-        if not self.attempt.effect.is_write:
-            return self._run_read_only()
-        self._check_approval()
-        return self._run_write()
+        # One span per call when OpenTelemetry is installed (worker/telemetry.py).
+        with tool_call_span(self.attempt, privacy=self.runtime.settings.privacy,
+                            args=self.args, kwargs=self.kwargs,
+                            classify=self.runtime.classifier.classify) as span:
+            self._check_message()
+            if not self.attempt.effect.is_write:
+                return span.succeeded(self._run_read_only())
+            self._check_approval()
+            return span.succeeded(self._run_write())
 
     def _check_approval(self) -> None:
         """Run a call that needs approval only when the store says it was approved.
@@ -232,12 +238,13 @@ class Execution:
                 )
             )
             raise self._after_failure(exc, failure_class, number)
-        runtime.audit.record_step(
+        if not runtime.audit.record_step(
             attempt.context.event(
                 "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
                 payload=self._payload(result=result),
             )
-        )
+        ):
+            telemetry.audit_write_failed("read", attempt.effect.value)
         return result
 
     def _run_write(self) -> Any:
@@ -248,6 +255,7 @@ class Execution:
             return begin.result  # the interrupted attempt's write happened
         # What the body reads as self.fencing_token.
         setattr(self.request, FENCING_TOKEN_FIELD, begin.fencing_token)
+        telemetry.step("intent recorded", **{"tooleffect.fencing_token": begin.fencing_token})
         number = begin.attempt
         started = time.monotonic()
         try:
@@ -285,6 +293,7 @@ class Execution:
                 earlier_copy=begin.intent_event,
             )
         except StoreUnavailable as store_down:
+            telemetry.audit_write_failed("write", attempt.effect.value)
             failed = AuditPersistenceFailed(
                 f"{self.label} ran, but its outcome could not be recorded: {store_down}",
                 body_completed=True,
@@ -322,6 +331,7 @@ class Execution:
             return plan
         verdict = runtime.leases.extend_lease(lease, deadline_end)
         if verdict is LeaseVerdict.OK:
+            telemetry.step("lease secured", **{"tooleffect.lease_until": deadline_end})
             return replace(plan, broker_lease=lease)
         runtime.audit.record_step(
             attempt.context.event("lease_refused", verdict.value, lease_until=f"{deadline_end:.3f}")
@@ -341,14 +351,19 @@ class Execution:
             return contextlib.nullcontext()
         attempt, runtime = self.attempt, self.runtime
 
+        span = telemetry.current_span()
+
         def lease_failed(why: str) -> None:
             logger.warning("%s: lease extension failed (%s)", self.label, why)
+            telemetry.lease_extended(span, ok=False, reason=why)
             runtime.audit.record_step(attempt.context.event("lease_extension_failed", why))
 
         return Heartbeat(
             journal=runtime.journal, ref=attempt.ref, token=attempt.token,
             leases=runtime.leases, broker_lease=plan.broker_lease,
             deadline_end=plan.deadline_end, interval=plan.interval, on_failure=lease_failed,
+            on_renewed=(lambda: telemetry.lease_extended(span, ok=True))
+            if telemetry.ENABLED else None,
         )
 
     def _begin(self, plan: LeasePlan, *, resume: bool = False) -> Begin | Reconciliation:
@@ -430,6 +445,7 @@ class Execution:
         answer, problem = ask(check, self.tool, self.request, self.args, self.kwargs,
                               timeout=runtime.settings.reconcile_timeout)
         status = ReconcileStatus.FAILED if answer is None else answer.status
+        telemetry.step("reconciled", **{"tooleffect.reconcile.status": status.value})
         evidence = answer.evidence if answer is not None else f"{type(problem).__name__}"
         failure_class = None if problem is None else runtime.classifier.classify(problem)
         runtime.audit.record_step(attempt.context.event(
@@ -569,6 +585,7 @@ class Execution:
         except Exception as publish_failed:
             logger.error("retry of %s not published, requeueing: %s", self.label, publish_failed)
             return _caused(Reject(publish_failed, requeue=True), exc)
+        telemetry.step("retry scheduled", **{"tooleffect.countdown": countdown})
         retry: BaseException = Retry(exc=exc, when=countdown, sig=signature)
         return retry
 
@@ -593,6 +610,7 @@ class Execution:
         except Exception as publish_failed:
             kept: BaseException = Reject(publish_failed, requeue=True)
             return kept
+        telemetry.step("deferred", **{"tooleffect.countdown": wait})
         self.runtime.audit.record_step(
             attempt.context.event("deferred", "owned_elsewhere", countdown=f"{wait:.1f}")
         )
@@ -652,6 +670,7 @@ class Execution:
             self.runtime, attempt, letter, outcome_event=event, owned=owned, exc=exc,
             allowed=allowed, journalled=journalled and attempt.effect.is_write,
         )
+        telemetry.step("dead-lettered", **{"tooleffect.dead_letter.reason": reason.value})
         return _caused(rejection, exc)
 
     def _payload(self, **values: Any) -> dict[str, str]:

@@ -84,10 +84,11 @@ class Heartbeat:
     Every ``interval`` it renews the journal lease to ``now + step`` and the
     broker lease to the same time, both capped at ``deadline_end`` (none: a
     write without a deadline on a broker without leases, which beats until
-    its body returns). When a
-    renewal fails it calls ``on_failure(reason)`` once and stops: ``journal_lost``
-    (another attempt owns the entry), ``broker_lost`` (the message was
-    restored), or ``store_unavailable``.
+    its body returns). When a renewal succeeds it calls ``on_renewed()``
+    (when given: the tool span's event and metric); when one fails it calls
+    ``on_failure(reason)`` once and stops: ``journal_lost`` (another attempt
+    owns the entry), ``broker_lost`` (the message was restored), or
+    ``store_unavailable``.
 
     The renewals are made by one thread per process (:class:`_Beats`) that
     serves every running heartbeat of that process: starting a thread for
@@ -105,6 +106,7 @@ class Heartbeat:
         deadline_end: float | None,
         interval: float,
         on_failure: Callable[[str], None],
+        on_renewed: Callable[[], None] | None = None,
     ) -> None:
         self.journal = journal
         self.ref = ref
@@ -115,6 +117,7 @@ class Heartbeat:
         self.interval = interval
         self.step = 3 * interval
         self.on_failure = on_failure
+        self.on_renewed = on_renewed
         self.stopped = False
 
     def __enter__(self) -> Heartbeat:
@@ -139,6 +142,8 @@ class Heartbeat:
             if not self.stopped:
                 self.on_failure(failure)
             return False
+        if self.on_renewed is not None:
+            self.on_renewed()
         # At the deadline nothing more may be extended.
         return self.deadline_end is None or lease_end < self.deadline_end
 
