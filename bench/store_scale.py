@@ -33,7 +33,7 @@ from celery import Celery
 from celery_tooleffect import AuditLog, DeadLetters
 from celery_tooleffect.effect import ToolEffect
 from celery_tooleffect.store.audit import StepContext, flatten, worker_identity
-from celery_tooleffect.store.dead_letters import DeadLetter, facets_of
+from celery_tooleffect.store.dead_letters import DeadLetter
 from celery_tooleffect.store.envelope import MessageEnvelope
 from celery_tooleffect.store.lua import script
 
@@ -112,23 +112,11 @@ def fill_dead_letters(letters: DeadLetters, envelopes: Iterable[DeadLetter]) -> 
     store = script("dead_letter_store")
     client = letters.client
     client.script_load(store.text)
-    keys = letters.keys
     pipe = client.pipeline(transaction=False)
     stored = 0
     for letter in envelopes:
-        names = [
-            keys.dead_letters(letter.queue),
-            keys.dead_letter_index(letter.queue),
-            keys.dead_letter_queues,
-            keys.dead_letter_locations,
-            keys.dead_letter_facets,
-            *letters.shared_index_keys(letter),
-        ]
-        pipe.evalsha(
-            store.sha, len(names), *names,
-            letter.task_id, letter.to_json(), repr(letter.dead_lettered_at), letter.queue,
-            *(f"{facet}:{value}" for facet, value in facets_of(letter)),
-        )
+        names, args = letters.store_arguments(letter)
+        pipe.evalsha(store.sha, len(names), *names, *args)
         stored += 1
         if stored % 2000 == 0:
             pipe.execute()

@@ -127,6 +127,8 @@ def core_flow(app: Celery, operators: bool = True) -> dict[str, str]:
         assert first.next_cursor is not None
         assert len(letters.page(limit=1, before=first.next_cursor).letters) == 1
         assert letters.stats().total == 2
+        assert sum(count.count for count in letters.counts()) == 2  # Flower's gauges
+        assert set(letters.oldest()) == {"tools"}
         assert operations.detail(refused.id) is not None
         assert not operations.replay(refused.id, actor="test", reason="r", force=True).ok
         purged = operations.purge(unknown, actor="test", reason="handled")

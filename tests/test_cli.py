@@ -203,6 +203,10 @@ def test_list_show_and_stats_of_real_dead_letters(tools: Tools) -> None:
         "by_failure_class": {"unknown": 3},
         "by_effect": {"read_only": 1, "idempotent_write": 1, "non_idempotent_write": 1},
         "replay_pending": 0,
+        "by_combination": [
+            {"queue": "tools", "reason": "not_retryable", "failure_class": "unknown",
+             "effect": effect, "count": 1}
+            for effect in ("idempotent_write", "non_idempotent_write", "read_only")],
     }
     human_stats = invoke(app, "dlq", "stats")
     assert human_stats.exit_code == 0

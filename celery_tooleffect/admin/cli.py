@@ -487,7 +487,8 @@ def _report(results: Iterable[ActionResult], as_json: bool, done_word: str) -> N
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
 @click.pass_context
 def dlq_stats(ctx: click.Context, as_json: bool) -> None:
-    """Count dead letters by queue, reason, failure class and effect (from index sizes)."""
+    """Count dead letters by queue, reason, failure class and effect (from index sizes),
+    and of each combination of the four (``queue/reason/failure class/effect``)."""
     operations = _operations(ctx)
     try:
         stats = operations.stats()
@@ -504,6 +505,10 @@ def dlq_stats(ctx: click.Context, as_json: bool) -> None:
                           ("effect", stats.by_effect)):
         for value, count in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
             rows.append([title, value, str(count)])
+    for row in stats.by_combination:
+        rows.append(["combination",
+                     "/".join((row.queue, row.reason, row.failure_class, row.effect)),
+                     str(row.count)])
     if stats.replay_pending:
         rows.append(["replay pending", "", str(stats.replay_pending)])
     click.echo(render(["BY", "VALUE", "COUNT"], rows, shrink=["VALUE"]))

@@ -1,4 +1,4 @@
-"""Flower 2.x with "Dead letters" and "Approvals" pages, their JSON APIs, and a gauge.
+"""Flower 2.x with "Dead letters" and "Approvals" pages, their JSON APIs, and gauges.
 
 ``celery -A app tooleffect flower [flower options]`` starts Flower exactly as
 ``celery -A app flower`` does (same options, environment variables, config
@@ -37,9 +37,13 @@ file, authentication, TLS and URL prefix), plus:
       POST /api/approvals/<task_id>/reject    {"reason": "..."}
 
   (a decision answers one result, with the status codes of a replay);
-- ``tooleffect_approvals_pending{queue,tool}`` on Flower's ``/metrics``: the
-  calls awaiting a decision, read from ``Approvals(app).stats()`` at each
-  scrape (no sample when the store does not answer: absent, never 0);
+- gauges on Flower's ``/metrics``, read from the store at each scrape
+  (:class:`StoreGauges`): ``tooleffect_approvals_pending{queue,tool}``, the
+  calls awaiting a decision; ``tooleffect_dead_letters{queue,reason,
+  failure_class,effect}``, the dead letters of each combination; and
+  ``tooleffect_oldest_dead_letter_age_seconds{queue}``, how long the oldest
+  dead letter of each queue has waited (no sample when the store does not
+  answer: absent, never 0);
 - a "Failure class" row on Flower's task page for failed tool tasks (from
   the ``failure_class`` field the worker adds to ``task-failed``).
 
@@ -124,7 +128,7 @@ from ..admin.operations import (
 from ..effect import ToolEffect
 from ..failures import FailureClass
 from ..store.approvals import Approval
-from ..store.dead_letters import Cursor, DeadLetterQuery, DeadLetterReason
+from ..store.dead_letters import Cursor, DeadLetterQuery, DeadLetterReason, DeadLetters
 from ..store.states import ApprovalState
 
 logger = logging.getLogger(__name__)
@@ -148,8 +152,10 @@ NAV_ITEM = """
 """
 #: Parked calls per page on the Approvals page (``?limit=`` changes it, up to 500).
 APPROVALS_PAGE_SIZE = 50
-#: The gauge on Flower's ``/metrics``.
+#: The gauges on Flower's ``/metrics`` (:class:`StoreGauges`).
 APPROVALS_GAUGE = "tooleffect_approvals_pending"
+DEAD_LETTERS_GAUGE = "tooleffect_dead_letters"
+OLDEST_DEAD_LETTER_GAUGE = "tooleffect_oldest_dead_letter_age_seconds"
 #: The only media type the API's replay and purge accept (an HTML form cannot send it).
 JSON_MEDIA_TYPE = "application/json"
 HTTP_STATUS = {Outcome.DONE: 200, Outcome.REFUSED: 409, Outcome.NOT_FOUND: 404,
@@ -177,7 +183,7 @@ def run_flower(capp: Any, argv: list[str], *, quiet: bool = False) -> None:
 
 def make_flower(capp: Any, options: Any, settings: dict[str, Any]) -> Any:
     """A Flower application with the Dead letters and Approvals pages, their APIs, the
-    approvals gauge on ``/metrics`` and the failure class row."""
+    store's gauges on ``/metrics`` and the failure class row."""
     settings = dict(settings)
     settings["template_loader"] = TemplateLoader(
         str(settings["template_path"]), autoescape="xhtml_escape"
@@ -191,7 +197,8 @@ def make_flower(capp: Any, options: Any, settings: dict[str, Any]) -> Any:
     # Before Flower's catch-all 404 handler (tornado inserts new hosts' rules first).
     flower_app.add_handlers(r".*", handlers)
     show_failure_class(flower_app)
-    export_approvals_gauge(flower_app.tooleffect_approvals)
+    export_store_gauges(flower_app.tooleffect_approvals,
+                        flower_app.tooleffect_operations.runtime.dead_letters)
     return flower_app
 
 
@@ -826,58 +833,108 @@ class ApprovalActionApi(_ApprovalMixin, BaseApiHandler):  # type: ignore[misc]
         self.write(result.to_dict())
 
 
-# -- approvals: the gauge on Flower's /metrics ------------------------------------------------
+# -- the gauges on Flower's /metrics ----------------------------------------------------------
 
 
-class ApprovalsGauge:
-    """A prometheus_client collector of ``tooleffect_approvals_pending{queue,tool}``.
+class StoreGauges:
+    """A prometheus_client collector of the store's gauges, read at each scrape.
 
-    Read from ``Approvals(app).stats()`` at each scrape (which, as every read
-    of the approvals, also expires the calls nobody decided in time). A pair
-    with no pending call has no sample; when the store does not answer, the
-    gauge has no sample at all (absent, never a false 0) and a warning is logged.
+    - ``tooleffect_approvals_pending{queue,tool}``: from ``Approvals(app).stats()``
+      (which, as every read of the approvals, also expires the calls nobody
+      decided in time);
+    - ``tooleffect_dead_letters{queue,reason,failure_class,effect}``: the joint
+      counts, one ``HGETALL`` (:meth:`DeadLetters.counts`);
+    - ``tooleffect_oldest_dead_letter_age_seconds{queue}``: now minus the
+      oldest score of each queue's index, one pipelined ``ZREVRANGE -1 -1
+      WITHSCORES`` per queue (:meth:`DeadLetters.oldest`).
+
+    No envelope is read. A label set with nothing in it has no sample. When a
+    store does not answer, its gauges have no sample at all (absent, never a
+    false 0) and a warning is logged; the other gauges, and the rest of
+    ``/metrics``, are served all the same.
     """
 
-    def __init__(self, approvals: Approvals) -> None:
+    def __init__(self, approvals: Approvals, dead_letters: DeadLetters | None = None) -> None:
         self.approvals = approvals
+        self.dead_letters = dead_letters
 
-    @staticmethod
-    def family() -> GaugeMetricFamily:
-        return GaugeMetricFamily(
+    def families(self) -> list[GaugeMetricFamily]:
+        """Empty families of the gauges, in the order they are served."""
+        found = [GaugeMetricFamily(
             APPROVALS_GAUGE, "Tool calls awaiting a person's approval (celery-tooleffect).",
             labels=["queue", "tool"],
-        )
+        )]
+        if self.dead_letters is not None:
+            found += [
+                GaugeMetricFamily(
+                    DEAD_LETTERS_GAUGE,
+                    "Dead letters by queue, dead-letter reason, failure class and effect "
+                    "(celery-tooleffect).",
+                    labels=["queue", "reason", "failure_class", "effect"],
+                ),
+                GaugeMetricFamily(
+                    OLDEST_DEAD_LETTER_GAUGE,
+                    "Seconds since the oldest dead letter of the queue was stored "
+                    "(celery-tooleffect).",
+                    labels=["queue"],
+                ),
+            ]
+        return found
 
     def describe(self) -> list[Metric]:
-        # Its name, without a scrape's Redis reads (registering calls this).
-        return [self.family()]
+        # Their names, without a scrape's Redis reads (registering calls this).
+        return list(self.families())
 
     def collect(self) -> Iterator[Metric]:
-        family = self.family()
-        try:
-            stats = self.approvals.stats()
-        except Exception as exc:  # the rest of /metrics is served all the same
-            logger.warning("%s not served: %s: %s", APPROVALS_GAUGE, type(exc).__name__, exc)
+        families = self.families()
+        approvals = families[0]
+        stats = _served(APPROVALS_GAUGE, self.approvals.stats)
+        if stats is not None:
+            for row in stats["by_queue_and_tool"]:
+                approvals.add_metric([row["queue"], row["tool"]], row["pending"])
+            yield approvals
+        if self.dead_letters is None:
             return
-        for row in stats["by_queue_and_tool"]:
-            family.add_metric([row["queue"], row["tool"]], row["pending"])
-        yield family
+        letters, oldest = families[1], families[2]
+        counts = _served(DEAD_LETTERS_GAUGE, self.dead_letters.counts)
+        if counts is not None:
+            for count in counts:
+                letters.add_metric(
+                    [count.queue, count.reason, count.failure_class, count.effect], count.count
+                )
+            yield letters
+        stored = _served(OLDEST_DEAD_LETTER_GAUGE, self.dead_letters.oldest)
+        if stored is not None:
+            now = time.time()
+            for queue, stored_at in sorted(stored.items()):
+                oldest.add_metric([queue], max(now - stored_at, 0.0))
+            yield oldest
 
 
-#: The gauge each registry serves (a second Flower app in a process replaces the first's).
-_gauges: weakref.WeakKeyDictionary[CollectorRegistry, ApprovalsGauge] = (
+def _served(gauge: str, read: Callable[[], T]) -> T | None:
+    """``read()``, or None (and a warning) when the store does not answer."""
+    try:
+        return read()
+    except Exception as exc:  # the rest of /metrics is served all the same
+        logger.warning("%s not served: %s: %s", gauge, type(exc).__name__, exc)
+        return None
+
+
+#: The collector each registry serves (a second Flower app in a process replaces the first's).
+_gauges: weakref.WeakKeyDictionary[CollectorRegistry, StoreGauges] = (
     weakref.WeakKeyDictionary())
 
 
-def export_approvals_gauge(
-    approvals: Approvals, registry: CollectorRegistry = prometheus_client.REGISTRY
-) -> ApprovalsGauge:
-    """Serve ``tooleffect_approvals_pending`` from ``registry``: by default
+def export_store_gauges(
+    approvals: Approvals, dead_letters: DeadLetters | None = None,
+    registry: CollectorRegistry = prometheus_client.REGISTRY,
+) -> StoreGauges:
+    """Serve the store's gauges (:class:`StoreGauges`) from ``registry``: by default
     prometheus_client's own, the one Flower's ``/metrics`` writes out."""
-    gauge = ApprovalsGauge(approvals)
+    gauges = StoreGauges(approvals, dead_letters)
     previous = _gauges.pop(registry, None)
     if previous is not None:
         registry.unregister(previous)
-    registry.register(gauge)
-    _gauges[registry] = gauge
-    return gauge
+    registry.register(gauges)
+    _gauges[registry] = gauges
+    return gauges

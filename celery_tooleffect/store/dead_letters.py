@@ -15,6 +15,13 @@ any filters walks the smallest of the matching indexes from a cursor, so no
 listing, showing or counting ever reads every envelope: counts are the sizes
 of those indexes (``ZCARD``), which cannot drift from what is stored because
 the envelope and its index entries are written and removed by one script.
+
+The indexes count each facet on its own; the same scripts also keep one hash
+of joint counts (queue, reason, failure class and effect together), so that
+"how many letters of each combination" (:meth:`DeadLetters.counts`, the
+``tooleffect_dead_letters`` gauge) is one ``HGETALL``. A letter stored by a
+release without that hash is in the indexes but not in the joint counts; its
+removal never takes a joint count below 0.
 """
 
 from __future__ import annotations
@@ -208,33 +215,41 @@ class DeadLetters:
         Raises :class:`StoreUnavailable` when it could not be stored: the
         caller must then keep the message (requeue it or leave it unacked).
         """
-        queue = letter.queue
-        keys = self.keys
         try:
             # One round trip: a script, so that the indexes that page and
-            # count without scanning (see ``page`` and ``stats``) change only
-            # when the envelope is stored (the first one wins).
-            created = script("dead_letter_store")(
-                self.client,
-                [
-                    keys.dead_letters(queue),
-                    keys.dead_letter_index(queue),
-                    keys.dead_letter_queues,
-                    keys.dead_letter_locations,
-                    keys.dead_letter_facets,
-                    *self.shared_index_keys(letter),
-                ],
-                [
-                    letter.task_id,
-                    letter.to_json(),
-                    repr(float(letter.dead_lettered_at)),
-                    queue,
-                    *(f"{facet}:{value}" for facet, value in facets_of(letter)),
-                ],
-            )
+            # count without scanning (see ``page`` and ``stats``) and the
+            # joint counts change only when the envelope is stored (the first
+            # one wins).
+            created = script("dead_letter_store")(self.client, *self.store_arguments(letter))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"dead letter not stored: {exc}") from exc
         return bool(created)
+
+    def store_arguments(
+        self, letter: DeadLetter
+    ) -> tuple[builtins.list[str], builtins.list[str]]:
+        """The KEYS and ARGV of ``dead_letter_store.lua`` that store ``letter``."""
+        queue = letter.queue
+        keys = self.keys
+        return (
+            [
+                keys.dead_letters(queue),
+                keys.dead_letter_index(queue),
+                keys.dead_letter_queues,
+                keys.dead_letter_locations,
+                keys.dead_letter_facets,
+                keys.dead_letter_counts,
+                *self.shared_index_keys(letter),
+            ],
+            [
+                letter.task_id,
+                letter.to_json(),
+                repr(float(letter.dead_lettered_at)),
+                queue,
+                combination_field(letter),
+                *(f"{facet}:{value}" for facet, value in facets_of(letter)),
+            ],
+        )
 
     def record_late_outcome(self, task_id: str, event: Mapping[str, str]) -> bool:
         """Copy a late outcome onto the task's dead letter, if it has one.
@@ -381,11 +396,47 @@ class DeadLetters:
                 return
             cursor = page.next_cursor
 
+    def counts(self) -> builtins.list[DeadLetterCount]:
+        """How many dead letters there are of each queue, reason, failure class and
+        effect together (only combinations with at least one), sorted.
+
+        One ``HGETALL`` of the joint counts, whatever the number of dead
+        letters. Letters stored by a release without the joint counts are
+        not in them (they are in :meth:`stats`' per-facet counts).
+        """
+        try:
+            return _counts(self.client.hgetall(self.keys.dead_letter_counts))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
+
+    def oldest(self) -> dict[str, float]:
+        """When the oldest dead letter of each queue was stored (unix seconds),
+        for the queues that have one.
+
+        Two round trips: the set of queues, then one ``ZREVRANGE -1 -1
+        WITHSCORES`` per queue index (its lowest score, as ``ZRANGE 0 0`` would
+        read it, with a command the documented ACL already allows), pipelined.
+        """
+        try:
+            queues = self.queues()
+            pipe = self.client.pipeline(transaction=False)
+            for queue in queues:
+                pipe.zrevrange(self.keys.dead_letter_index(queue), -1, -1, withscores=True)
+            replies = pipe.execute() if queues else []
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
+        return {
+            queue: entries[0][1]
+            for queue, reply in zip(queues, replies, strict=True)
+            if (entries := _entries(reply))
+        }
+
     def stats(self) -> DeadLetterStats:
-        """How many dead letters there are, by queue, reason, failure class and effect.
+        """How many dead letters there are, by queue, reason, failure class and effect,
+        and of each combination of the four (:meth:`counts`).
 
         Three round trips whatever the number of dead letters: the counts are
-        the sizes of the indexes.
+        the sizes of the indexes, and the joint counts one ``HGETALL``.
         """
         client = self.client
         pipe = client.pipeline(transaction=False)
@@ -398,13 +449,15 @@ class DeadLetters:
             if ":" in text(member)
         )
         pipe = client.pipeline(transaction=False)
+        pipe.hgetall(self.keys.dead_letter_counts)
         pipe.zcard(self.keys.dead_letter_all)
         pipe.hlen(self.keys.dead_letter_replaying)
         for queue in queues:
             pipe.zcard(self.keys.dead_letter_index(queue))
         for facet, value in facets:
             pipe.zcard(self.keys.dead_letter_facet(facet, value))
-        total, replaying, *counts = (int(count) for count in pipe.execute())
+        joint, *sizes = pipe.execute()
+        total, replaying, *counts = (int(count) for count in sizes)
         by: dict[str, dict[str, int]] = {facet: {} for facet in FACETS}
         by_queue = {
             queue: count for queue, count in zip(queues, counts[: len(queues)], strict=True)
@@ -420,6 +473,7 @@ class DeadLetters:
             by_failure_class=by["failure_class"],
             by_effect=by["effect"],
             replay_pending=replaying,
+            by_combination=_counts(joint),
         )
 
     def take(self, task_id: str) -> DeadLetter | None:
@@ -483,10 +537,11 @@ class DeadLetters:
                         self.keys.dead_letters(queue),
                         self.keys.dead_letter_locations,
                         self.keys.dead_letter_replaying,
+                        self.keys.dead_letter_counts,
                         self.keys.dead_letter_index(queue),
                         *self.shared_index_keys(letter),
                     ],
-                    [task_id, raw, mode, queue, repr(time.time())],
+                    [task_id, raw, mode, queue, repr(time.time()), combination_field(letter)],
                 )
             except redis.RedisError as exc:
                 raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
@@ -529,6 +584,41 @@ FACETS = ("reason", "failure_class", "effect")
 def facets_of(letter: DeadLetter) -> list[tuple[str, str]]:
     """``(facet, value)`` of each of ``letter``'s :data:`FACETS`."""
     return [(facet, str(getattr(letter, facet) or "")) for facet in FACETS]
+
+
+def combination_field(letter: DeadLetter) -> str:
+    """``letter``'s field in the joint counts: a JSON array of its queue, reason,
+    failure class and effect (unambiguous whatever characters they hold)."""
+    values = [letter.queue, *(value for _, value in facets_of(letter))]
+    return json.dumps(values, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class DeadLetterCount:
+    """How many dead letters have this queue, reason, failure class and effect."""
+
+    queue: str
+    reason: str
+    failure_class: str
+    effect: str
+    count: int
+
+
+def _counts(reply: Mapping[Any, Any]) -> list[DeadLetterCount]:
+    """The joint counts hash as :class:`DeadLetterCount`, sorted; fields that are not
+    four strings, or counts not above 0, are left out."""
+    found: list[DeadLetterCount] = []
+    for raw_field, raw_count in reply.items():
+        try:
+            values = json.loads(raw_field)
+            count = int(raw_count)
+        except ValueError:
+            continue
+        if (count > 0 and isinstance(values, list) and len(values) == 4
+                and all(isinstance(value, str) for value in values)):
+            queue, reason, failure_class, effect = values
+            found.append(DeadLetterCount(queue, reason, failure_class, effect, count))
+    return sorted(found, key=lambda row: (row.queue, row.reason, row.failure_class, row.effect))
 
 
 @dataclass(frozen=True)
@@ -588,6 +678,9 @@ class DeadLetterStats:
     by_effect: dict[str, int]
     #: Letters taken aside by a replay that has not finished.
     replay_pending: int = 0
+    #: The joint counts (:meth:`DeadLetters.counts`): one entry per queue, reason,
+    #: failure class and effect with at least one letter.
+    by_combination: list[DeadLetterCount] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -87,6 +87,12 @@ class Keys:
         return f"{self.prefix}dlq:facets"
 
     @property
+    def dead_letter_counts(self) -> str:
+        """The number of dead letters of each queue, reason, failure class and effect
+        together (a hash; field: the four values as a JSON array)."""
+        return f"{self.prefix}dlq:counts"
+
+    @property
     def dead_letter_replaying(self) -> str:
         """Dead letters taken out of the store by a replay that has not finished yet."""
         return f"{self.prefix}dlq:replaying"

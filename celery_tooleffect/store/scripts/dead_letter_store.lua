@@ -2,9 +2,12 @@
 --
 -- KEYS[1] the queue's envelopes hash   KEYS[2] the queue's index (by time)
 -- KEYS[3] set of queues                KEYS[4] task id -> queue hash
--- KEYS[5] set of facet:value pairs     KEYS[6..] the other indexes (by time)
+-- KEYS[5] set of facet:value pairs     KEYS[6] joint counts hash
+-- KEYS[7..] the other indexes (by time)
 -- ARGV[1] task id   ARGV[2] envelope (JSON)   ARGV[3] time stored (score)
--- ARGV[4] queue     ARGV[5..] facet:value pairs
+-- ARGV[4] queue     ARGV[5] the letter's field in KEYS[6] (JSON array of its
+--                   queue, reason, failure class and effect)
+-- ARGV[6..] facet:value pairs
 --
 -- Returns 1 when stored now, 0 when the task already was a dead letter (then
 -- nothing changes: its first envelope, reason and index entries stay).
@@ -16,10 +19,11 @@ end
 redis.call('ZADD', KEYS[2], 'NX', score, task_id)
 redis.call('SADD', KEYS[3], queue)
 redis.call('HSETNX', KEYS[4], task_id, queue)
-for i = 5, #ARGV do
+redis.call('HINCRBY', KEYS[6], ARGV[5], 1)
+for i = 6, #ARGV do
   redis.call('SADD', KEYS[5], ARGV[i])
 end
-for i = 6, #KEYS do
+for i = 7, #KEYS do
   redis.call('ZADD', KEYS[i], 'NX', score, task_id)
 end
 return 1
