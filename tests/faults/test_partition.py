@@ -68,6 +68,7 @@ def test_a_partitioned_owner_never_runs_its_write_twice(
         partitioned_broker = f"amqp://guest:guest@{namespace.host_ip}:{amqp.port}/{vhost}"
     else:
         partitioned_broker = store.url()
+    owner: WorkerProcess | None = None
     try:
         owner = start_celery_worker(
             "tests.apps.tool_app", tmp_path / "partitioned.log",  # type: ignore[operator]
@@ -102,5 +103,7 @@ def test_a_partitioned_owner_never_runs_its_write_twice(
         assert result.get(timeout=90) == again
         assert counter.value(again) == 1
     finally:
+        if owner is not None:
+            owner.kill()  # it runs in the namespace: nothing else stops it
         for proxy in proxies:
             proxy.close()
