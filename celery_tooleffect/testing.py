@@ -52,9 +52,12 @@ __all__ = [
     "Trigger",
     "WorkerProcess",
     "app_config",
+    "configure_for_test",
     "delete_keys",
     "free_port",
+    "load_app",
     "pings",
+    "producer_app",
     "redis_server",
     "redis_server_binary",
     "start_celery_worker",
@@ -339,8 +342,8 @@ def start_celery_worker(
     """``celery -A <module> worker`` as a subprocess in a session of its own,
     consuming ``queues``, its output in ``log``.
 
-    It runs in ``root`` (default: the current directory), which is also its
-    ``PYTHONPATH``; ``env`` is added to this process's environment. The node
+    It runs in ``root`` (default: the current directory), which comes first on
+    its ``PYTHONPATH``; ``env`` is added to this process's environment. The node
     name is ``<name>-<random>@<host>``. With ``wait``, it is returned once its
     log says it is ready (this needs ``loglevel`` INFO), and ``AssertionError``
     is raised if it exited before. ``wrap`` runs it through a command (``ip
@@ -348,7 +351,8 @@ def start_celery_worker(
     """
     directory = str(Path(root) if root is not None else Path.cwd())
     # C_FORCE_ROOT: apps that accept pickle are refused as root otherwise (CI is root).
-    environment = {**os.environ, "PYTHONPATH": directory, "C_FORCE_ROOT": "1", **(env or {})}
+    path = os.pathsep.join(part for part in (directory, os.environ.get("PYTHONPATH")) if part)
+    environment = {**os.environ, "PYTHONPATH": path, "C_FORCE_ROOT": "1", **(env or {})}
     node = f"{name}-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
     with log.open("wb") as output:  # the worker keeps its own copy of the descriptor
         process = subprocess.Popen(
@@ -620,3 +624,72 @@ def _close_sockets(*sockets: socket.socket) -> None:
             sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             sock.close()
+
+
+# -- a user's app, pointed at a test's Redis (the pytest plugin) ---------------------------
+
+#: How a worker started by the pytest plugin finds the user's app, the test's
+#: Redis and key prefix, and its visibility timeout.
+APP_ENV = ("TOOLEFFECT_TEST_APP", "TOOLEFFECT_TEST_REDIS_URL", "TOOLEFFECT_TEST_PREFIX",
+           "TOOLEFFECT_TEST_VISIBILITY_TIMEOUT")
+
+
+def load_app(spec: str) -> Any:
+    """The Celery app ``spec`` names (``module`` or ``module:attribute``), as
+    ``celery -A`` finds it."""
+    from celery.app.utils import find_app
+
+    return find_app(spec)
+
+
+def configure_for_test(app: Any, redis_url: str, prefix: str,
+                       visibility_timeout: float = 2.0) -> Any:
+    """Point ``app`` at ``redis_url`` (broker, results, store) with every key under
+    ``prefix``, a short visibility timeout, and kombu's restore sweep every
+    second, so that a killed worker's message comes back within seconds. The
+    app's own settings (serializers, routes, queues, tooleffect_*) stay."""
+    app.conf.update(
+        broker_url=redis_url,
+        result_backend=redis_url,
+        broker_transport_options={
+            "global_keyprefix": prefix,
+            "visibility_timeout": visibility_timeout,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+            "unacked_mutex_expire": 10,
+        },
+        result_backend_transport_options={"global_keyprefix": prefix},
+        broker_connection_retry_on_startup=True,
+        worker_prefetch_multiplier=1,
+        tooleffect_redis_url=redis_url,
+        tooleffect_key_prefix=f"{prefix}te:",
+        tooleffect_backoff_base=0.05,
+        tooleffect_backoff_cap=visibility_timeout / 4,
+    )
+    return app
+
+
+def producer_app(user_app: Any, redis_url: str, prefix: str,
+                 visibility_timeout: float = 2.0) -> Any:
+    """A new app with ``user_app``'s settings, configured for a test
+    (:func:`configure_for_test`): what a test sends calls and reads results
+    with, without touching the user's app object (its connections and caches
+    belong to whatever else uses it)."""
+    from celery import Celery
+
+    app = Celery(f"{user_app.main or 'app'}-test", set_as_current=False)
+    app.conf.update(user_app.conf.table(with_defaults=False))
+    return configure_for_test(app, redis_url, prefix, visibility_timeout)
+
+
+def _worker_app() -> Any:
+    spec, redis_url, prefix, timeout = (os.environ[name] for name in APP_ENV)
+    return configure_for_test(load_app(spec), redis_url, prefix, float(timeout))
+
+
+def __getattr__(name: str) -> Any:
+    # ``celery -A celery_tooleffect.testing:worker_app worker``: the user's app,
+    # pointed at the test's Redis from the environment the plugin gives (APP_ENV).
+    if name == "worker_app":
+        return _worker_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

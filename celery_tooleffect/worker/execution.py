@@ -67,6 +67,7 @@ from .attempt import (
     forged_headers,
     new_token,
 )
+from .faults import crash_point
 from .heartbeat import Heartbeat, LeasePlan, plan_leases
 from .letters import begin_dead_letter, build_letter
 from .retries import REQUESTED_EXHAUSTED_MARK, RetryPolicy, exhausted_text
@@ -221,8 +222,11 @@ class Execution:
         attempt, runtime = self.attempt, self.runtime
         number = attempt.retries + 1
         started = time.monotonic()
+        for boundary in ("before_intent", "after_intent", "in_body"):  # a read has no intent
+            crash_point(boundary, attempt.name)
         try:
             result = tool_body(self.tool)(*self.args, **self.kwargs)
+            crash_point("before_outcome", attempt.name)
         except Retry as requested:
             runtime.audit.record_step(_requested_retry_event(attempt, number, requested))
             raise
@@ -249,6 +253,7 @@ class Execution:
 
     def _run_write(self) -> Any:
         attempt, runtime = self.attempt, self.runtime
+        crash_point("before_intent", attempt.name)
         plan = self._lease_plan()
         begin = self._begin(plan)
         if isinstance(begin, Reconciliation):
@@ -256,12 +261,15 @@ class Execution:
         # What the body reads as self.fencing_token.
         setattr(self.request, FENCING_TOKEN_FIELD, begin.fencing_token)
         telemetry.step("intent recorded", **{"tooleffect.fencing_token": begin.fencing_token})
+        crash_point("after_intent", attempt.name)
         number = begin.attempt
         started = time.monotonic()
         try:
             try:
                 with self._heartbeat(plan):
+                    crash_point("in_body", attempt.name)
                     result = tool_body(self.tool)(*self.args, **self.kwargs)
+                    crash_point("before_outcome", attempt.name)
             except BaseException:
                 # The intent's global-stream copy normally rides with the
                 # outcome (one round trip less); on a failure it goes alone.

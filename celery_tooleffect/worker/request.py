@@ -70,6 +70,7 @@ from .attempt import (
     new_token,
 )
 from .execution import reconciler
+from .faults import crash_point
 from .letters import PendingLetter, begin_dead_letter, build_letter, finish_dead_letter
 from .strategy import check_request, request_built
 
@@ -168,6 +169,13 @@ class ToolRequest(Request):  # type: ignore[misc]
         exc_info.exception = exc
         return super().on_failure(exc_info, send_failed_event=send_failed_event,
                                   return_ok=return_ok)
+
+    def acknowledge(self) -> None:
+        # A test's crash point (worker/faults.py): everything stored, not yet
+        # acknowledged. Here, not in on_success: Celery's create_request_cls
+        # replaces on_success with a copy that acknowledges by this method.
+        crash_point("before_ack", self.name)
+        super().acknowledge()
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
         if soft or worker_state.should_terminate:

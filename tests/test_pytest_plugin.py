@@ -1,0 +1,77 @@
+"""The pytest plugin, run the way a user runs it: a test file of the user's
+(``pytester``) enables the plugin, names its app, and crashes a worker at each
+boundary of an attempt; each ending is what the README's table promises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REDIS_URL
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.timeout(900)
+
+USER_TESTS = '''
+import pytest
+
+pytest_plugins = ["celery_tooleffect.pytest_plugin"]
+pytestmark = pytest.mark.tooleffect_app("tests.apps.plugin_app")
+
+#: (tool, boundary) -> (how it ends, how many intents were recorded)
+EXPECTED = {
+    ("user.lookup", "before_intent"): ("succeeded", 0),
+    ("user.lookup", "after_intent"): ("succeeded", 0),
+    ("user.lookup", "in_body"): ("succeeded", 0),
+    ("user.lookup", "before_outcome"): ("succeeded", 0),
+    ("user.lookup", "before_ack"): ("succeeded", 0),
+    ("user.save", "before_intent"): ("succeeded", 1),
+    ("user.save", "after_intent"): ("succeeded", 2),
+    ("user.save", "in_body"): ("succeeded", 2),
+    ("user.save", "before_outcome"): ("succeeded", 2),
+    ("user.save", "before_ack"): ("succeeded", 1),
+    ("user.send", "before_intent"): ("succeeded", 1),
+    ("user.send", "after_intent"): ("dead_letter", 1),
+    ("user.send", "in_body"): ("dead_letter", 1),
+    ("user.send", "before_outcome"): ("dead_letter", 1),
+    ("user.send", "before_ack"): ("succeeded", 1),
+}
+
+
+@pytest.mark.parametrize("tool, boundary", list(EXPECTED))
+def test_a_crash_at_each_boundary(tooleffect, tool, boundary):
+    ending = tooleffect.run(tool, "k", crash_at=boundary)
+    print("MATRIX", tool, boundary, ending.settled, ending.intents,
+          ending.dead_letter.reason if ending.dead_letter else "-")
+    assert ending.crashed, ending.describe()
+    assert (ending.settled, ending.intents) == EXPECTED[tool, boundary], ending.describe()
+    if ending.settled == "dead_letter":
+        assert ending.dead_letter.reason == "interrupted_write"
+    else:
+        assert ending.result == "k"
+
+
+def test_a_failing_assertion_says_what_ran(tooleffect):
+    ending = tooleffect.run("user.send", "k", crash_at="in_body")
+    assert ending.settled == "succeeded", ending.describe()
+'''
+
+
+def test_each_boundary_gives_the_documented_ending(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the user's app: tests.apps.plugin_app
+    pytester.makepyfile(test_user_tools=USER_TESTS)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "-s", "-q",
+        f"--tooleffect-redis-url={REDIS_URL}", "--rootdir", str(pytester.path),
+    )
+    result.assert_outcomes(passed=15, failed=1)
+    # The failing test reports what ran and where the call ended.
+    result.stdout.fnmatch_lines([
+        "*task *: dead_letter (backend *) dead letter interrupted_write*; "
+        "crash at in_body: crashed; journal dead_lettered; audit: intent started*",
+    ])
