@@ -46,6 +46,7 @@ from .store.runtime import runtime_for
 from .store.states import ApprovalState
 from .testing import (
     APP_ENV,
+    STORE_ENV,
     RedisServer,
     WorkerProcess,
     delete_keys,
@@ -138,19 +139,44 @@ class ToolHarness:
         self.app = producer_app(load_app(app_spec), redis_url, prefix, visibility_timeout)
         self.workers: list[WorkerProcess] = []
         self._worker: WorkerProcess | None = None
+        #: The store's own Redis, once a test asked for store faults.
+        self.store: RedisServer | None = None
+        self._store_context: Any = None
+
+    def separate_store(self) -> RedisServer:
+        """Give the journal and audit a ``redis-server`` of their own (started now,
+        stopped with the harness), so that a store fault leaves the broker alone.
+        Call it before the first worker starts."""
+        if self.store is None:
+            if self.workers:
+                raise RuntimeError("separate_store() must come before the first worker")
+            self._store_context = redis_server()
+            self.store = self._store_context.__enter__()
+            self.app = producer_app(load_app(self.app_spec), self.redis_url, self.prefix,
+                                    self.visibility_timeout, self.store.url)
+        return self.store
 
     # -- workers ----------------------------------------------------------------------
 
     def start_worker(self, *, crash_at: str | None = None, tool: str = "",
-                     concurrency: int = 1, queues: str | None = None) -> WorkerProcess:
+                     store_fault_at: str | None = None, concurrency: int = 1,
+                     queues: str | None = None) -> WorkerProcess:
         """Start a ``celery worker`` of the app (prefork); armed to crash at
-        ``crash_at`` (for ``tool`` only, when given) once."""
+        ``crash_at``, or to make the store refuse writes at ``store_fault_at``
+        (for ``tool`` only, when given), once."""
         env = dict(zip(APP_ENV, (self.app_spec, self.redis_url, self.prefix,
                                  str(self.visibility_timeout)), strict=True))
+        if self.store is not None:
+            env[STORE_ENV] = self.store.url
+        if store_fault_at is not None:
+            _check_boundary(store_fault_at)
+            env["TOOLEFFECT_STORE_FAULT_AT"] = f"{store_fault_at}@{tool}" if tool else \
+                store_fault_at
+            env["TOOLEFFECT_STORE_FAULT_URL"] = self.separate_store().url
+            env[STORE_ENV] = self.separate_store().url
+            env["TOOLEFFECT_STORE_FAULT_MARK"] = str(self.workdir / f"fault-{uuid.uuid4().hex}")
         if crash_at is not None:
-            if crash_at not in BOUNDARIES:
-                raise ValueError(f"crash_at: not a boundary: {crash_at!r} "
-                                 f"(one of {', '.join(BOUNDARIES)})")
+            _check_boundary(crash_at)
             env["TOOLEFFECT_CRASH_AT"] = f"{crash_at}@{tool}" if tool else crash_at
             env["TOOLEFFECT_CRASH_MARK"] = str(self.workdir / f"crashed-{uuid.uuid4().hex}")
         worker = start_celery_worker(
@@ -171,17 +197,36 @@ class ToolHarness:
     def stop(self) -> None:
         for worker in self.workers:
             worker.kill()
+        if self._store_context is not None:
+            self._store_context.__exit__(None, None, None)
+            self._store_context = self.store = None
 
     # -- calls ------------------------------------------------------------------------
 
     def run(self, name: str, *args: Any, crash_at: str | None = None,
-            timeout: float = 60.0, **kwargs: Any) -> Ending:
+            store_fault_at: str | None = None, timeout: float = 60.0,
+            **kwargs: Any) -> Ending:
         """Call the tool ``name`` and wait (at most ``timeout`` seconds) until the
         call ends: succeeded, failed, dead-lettered, or parked for approval.
 
         With ``crash_at``, a worker armed for that boundary takes the call and
-        SIGKILLs itself there; then a fresh worker takes the redelivery.
+        SIGKILLs itself there; then a fresh worker takes the redelivery. With
+        ``store_fault_at``, the store (a Redis of its own) refuses every write
+        from that boundary on, until the call ended; then it accepts writes
+        again, and the ending is read.
         """
+        if store_fault_at is not None:
+            self.separate_store()
+            faulty = self.start_worker(store_fault_at=store_fault_at, tool=name)
+            task_id = str(self.app.send_task(name, args=list(args), kwargs=kwargs).id)
+            try:
+                wait_for(lambda: self._ended(task_id), timeout=timeout,
+                         what=f"{name}[{task_id}] to end with its store refusing writes")
+            finally:
+                assert self.store is not None
+                self.store.accept_writes()
+                faulty.kill()
+            return dataclasses.replace(self.ending(task_id), crash_at=None)
         armed = None
         if crash_at is not None:
             armed = self.start_worker(crash_at=crash_at, tool=name)
@@ -220,6 +265,11 @@ class ToolHarness:
             events=[(event.get("phase", ""), event.get("status", ""))
                     for event in AuditLog(self.app).events(task_id)],
         )
+
+
+def _check_boundary(boundary: str) -> None:
+    if boundary not in BOUNDARIES:
+        raise ValueError(f"not a boundary: {boundary!r} (one of {', '.join(BOUNDARIES)})")
 
 
 # -- fixtures ---------------------------------------------------------------------------------

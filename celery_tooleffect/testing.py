@@ -632,6 +632,8 @@ def _close_sockets(*sockets: socket.socket) -> None:
 #: Redis and key prefix, and its visibility timeout.
 APP_ENV = ("TOOLEFFECT_TEST_APP", "TOOLEFFECT_TEST_REDIS_URL", "TOOLEFFECT_TEST_PREFIX",
            "TOOLEFFECT_TEST_VISIBILITY_TIMEOUT")
+#: ... and, when the test gives its store a Redis of its own, that Redis.
+STORE_ENV = "TOOLEFFECT_TEST_STORE_URL"
 
 
 def load_app(spec: str) -> Any:
@@ -643,11 +645,13 @@ def load_app(spec: str) -> Any:
 
 
 def configure_for_test(app: Any, redis_url: str, prefix: str,
-                       visibility_timeout: float = 2.0) -> Any:
+                       visibility_timeout: float = 2.0, store_url: str | None = None) -> Any:
     """Point ``app`` at ``redis_url`` (broker, results, store) with every key under
     ``prefix``, a short visibility timeout, and kombu's restore sweep every
     second, so that a killed worker's message comes back within seconds. The
-    app's own settings (serializers, routes, queues, tooleffect_*) stay."""
+    app's own settings (serializers, routes, queues, tooleffect_*) stay.
+    ``store_url``: the journal and audit on another Redis (a test that breaks
+    the store must not break the broker)."""
     app.conf.update(
         broker_url=redis_url,
         result_backend=redis_url,
@@ -661,7 +665,7 @@ def configure_for_test(app: Any, redis_url: str, prefix: str,
         result_backend_transport_options={"global_keyprefix": prefix},
         broker_connection_retry_on_startup=True,
         worker_prefetch_multiplier=1,
-        tooleffect_redis_url=redis_url,
+        tooleffect_redis_url=store_url or redis_url,
         tooleffect_key_prefix=f"{prefix}te:",
         tooleffect_backoff_base=0.05,
         tooleffect_backoff_cap=visibility_timeout / 4,
@@ -670,7 +674,7 @@ def configure_for_test(app: Any, redis_url: str, prefix: str,
 
 
 def producer_app(user_app: Any, redis_url: str, prefix: str,
-                 visibility_timeout: float = 2.0) -> Any:
+                 visibility_timeout: float = 2.0, store_url: str | None = None) -> Any:
     """A new app with ``user_app``'s settings, configured for a test
     (:func:`configure_for_test`): what a test sends calls and reads results
     with, without touching the user's app object (its connections and caches
@@ -679,12 +683,13 @@ def producer_app(user_app: Any, redis_url: str, prefix: str,
 
     app = Celery(f"{user_app.main or 'app'}-test", set_as_current=False)
     app.conf.update(user_app.conf.table(with_defaults=False))
-    return configure_for_test(app, redis_url, prefix, visibility_timeout)
+    return configure_for_test(app, redis_url, prefix, visibility_timeout, store_url)
 
 
 def _worker_app() -> Any:
     spec, redis_url, prefix, timeout = (os.environ[name] for name in APP_ENV)
-    return configure_for_test(load_app(spec), redis_url, prefix, float(timeout))
+    return configure_for_test(load_app(spec), redis_url, prefix, float(timeout),
+                              os.environ.get(STORE_ENV) or None)
 
 
 def __getattr__(name: str) -> Any:

@@ -54,6 +54,25 @@ def test_a_crash_at_each_boundary(tooleffect, tool, boundary):
         assert ending.result == "k"
 
 
+#: (tool, boundary) -> (how it ends, dead-letter reason, exception type)
+STORE_FAULTS = {
+    ("user.lookup", "before_outcome"): ("succeeded", "", ""),
+    ("user.save", "before_intent"): ("dead_letter", "retries_exhausted", "IntentNotRecorded"),
+    ("user.send", "before_outcome"): ("dead_letter", "not_retryable", "AuditPersistenceFailed"),
+}
+
+
+@pytest.mark.parametrize("tool, boundary", list(STORE_FAULTS))
+def test_the_store_refusing_writes_at_a_boundary(tooleffect, tool, boundary):
+    ending = tooleffect.run(tool, "k", store_fault_at=boundary)
+    settled, reason, exception = STORE_FAULTS[tool, boundary]
+    assert ending.settled == settled, ending.describe()
+    if reason:
+        assert ending.dead_letter.reason == reason, ending.describe()
+        assert ending.dead_letter.exception_type == exception, ending.describe()
+        assert ending.intents == 0 or ending.dead_letter.body_completed
+
+
 def test_a_failing_assertion_says_what_ran(tooleffect):
     ending = tooleffect.run("user.send", "k", crash_at="in_body")
     assert ending.settled == "succeeded", ending.describe()
@@ -69,7 +88,7 @@ def test_each_boundary_gives_the_documented_ending(
         "-p", "no:cacheprovider", "-p", "no:randomly", "-s", "-q",
         f"--tooleffect-redis-url={REDIS_URL}", "--rootdir", str(pytester.path),
     )
-    result.assert_outcomes(passed=15, failed=1)
+    result.assert_outcomes(passed=18, failed=1)
     # The failing test reports what ran and where the call ended.
     result.stdout.fnmatch_lines([
         "*task *: dead_letter (backend *) dead letter interrupted_write*; "

@@ -1,5 +1,6 @@
 """Crash points for testing tools: a worker armed with ``TOOLEFFECT_CRASH_AT``
-SIGKILLs itself at one boundary of an attempt, once.
+SIGKILLs itself at one boundary of an attempt, once; one armed with
+``TOOLEFFECT_STORE_FAULT_AT`` makes its store refuse writes there instead.
 
 :mod:`celery_tooleffect.pytest_plugin` starts ``celery worker`` subprocesses
 with ``TOOLEFFECT_CRASH_AT=<boundary>[@<tool name>]`` and
@@ -21,7 +22,13 @@ attempt meets them:
     the outcome and Celery's result are stored, the message not acknowledged
     (in the worker's main process).
 
-Unarmed (no ``TOOLEFFECT_CRASH_AT``, read once at import), a crash point is one
+``TOOLEFFECT_STORE_FAULT_AT=<boundary>[@<tool name>]`` with
+``TOOLEFFECT_STORE_FAULT_URL`` (a Redis of the test's own, the worker's
+``tooleffect_redis_url``) and a mark file of its own: at that boundary, once,
+the store is made to refuse every write (``maxmemory 1``, ``noeviction``), as
+a full Redis does; the test makes it accept writes again.
+
+Unarmed (neither variable, read once at import), a crash point is one
 comparison.
 """
 
@@ -47,18 +54,37 @@ def _parse(spec: str | None) -> tuple[str, str] | None:
 
 
 _ARMED = _parse(_SPEC)
+_STORE_FAULT = _parse(os.environ.get("TOOLEFFECT_STORE_FAULT_AT") or None)
+_STORE_URL = os.environ.get("TOOLEFFECT_STORE_FAULT_URL") or ""
+_STORE_MARK = os.environ.get("TOOLEFFECT_STORE_FAULT_MARK") or ""
 
 
 def crash_point(boundary: str, tool: str) -> None:
-    """SIGKILL this worker here if it is armed for ``boundary`` (and ``tool``), once."""
-    if _ARMED is None:
+    """SIGKILL this worker here if it is armed for ``boundary`` (and ``tool``),
+    once; or make the store refuse writes here, once."""
+    if _ARMED is None and _STORE_FAULT is None:
         return
-    armed_boundary, armed_tool = _ARMED
-    if boundary != armed_boundary or (armed_tool and armed_tool != tool):
-        return
-    if _MARK:
-        try:
-            os.close(os.open(_MARK, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return  # crashed once already
-    os.killpg(os.getpgid(0), signal.SIGKILL)
+    if _matches(_STORE_FAULT, boundary, tool) and _first(_STORE_MARK):
+        import redis
+
+        store = redis.Redis.from_url(_STORE_URL, socket_timeout=5)
+        store.config_set("maxmemory-policy", "noeviction")
+        store.config_set("maxmemory", "1")
+        store.close()
+    if _matches(_ARMED, boundary, tool) and _first(_MARK):
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _matches(armed: tuple[str, str] | None, boundary: str, tool: str) -> bool:
+    return armed is not None and armed[0] == boundary and armed[1] in ("", tool)
+
+
+def _first(mark: str) -> bool:
+    """Whether this is the first time (the mark file did not exist; now it does)."""
+    if not mark:
+        return True
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
