@@ -139,6 +139,7 @@ class ToolHarness:
         self.app = producer_app(load_app(app_spec), redis_url, prefix, visibility_timeout)
         self.workers: list[WorkerProcess] = []
         self._worker: WorkerProcess | None = None
+        self._crash_mark = ""
         #: The store's own Redis, once a test asked for store faults.
         self.store: RedisServer | None = None
         self._store_context: Any = None
@@ -159,8 +160,8 @@ class ToolHarness:
     # -- workers ----------------------------------------------------------------------
 
     def start_worker(self, *, crash_at: str | None = None, tool: str = "",
-                     store_fault_at: str | None = None, concurrency: int = 1,
-                     queues: str | None = None) -> WorkerProcess:
+                     kill: str = "worker", store_fault_at: str | None = None,
+                     concurrency: int = 1, queues: str | None = None) -> WorkerProcess:
         """Start a ``celery worker`` of the app (prefork); armed to crash at
         ``crash_at``, or to make the store refuse writes at ``store_fault_at``
         (for ``tool`` only, when given), once."""
@@ -177,8 +178,12 @@ class ToolHarness:
             env["TOOLEFFECT_STORE_FAULT_MARK"] = str(self.workdir / f"fault-{uuid.uuid4().hex}")
         if crash_at is not None:
             _check_boundary(crash_at)
+            if kill not in ("worker", "pool"):
+                raise ValueError(f"kill: 'worker' or 'pool', not {kill!r}")
             env["TOOLEFFECT_CRASH_AT"] = f"{crash_at}@{tool}" if tool else crash_at
-            env["TOOLEFFECT_CRASH_MARK"] = str(self.workdir / f"crashed-{uuid.uuid4().hex}")
+            env["TOOLEFFECT_CRASH_MARK"] = self._crash_mark = str(
+                self.workdir / f"crashed-{uuid.uuid4().hex}")
+            env["TOOLEFFECT_CRASH_PROCESS"] = kill
         worker = start_celery_worker(
             "celery_tooleffect.testing:worker_app",
             self.workdir / f"worker-{len(self.workers)}.log", concurrency=concurrency,
@@ -203,14 +208,16 @@ class ToolHarness:
 
     # -- calls ------------------------------------------------------------------------
 
-    def run(self, name: str, *args: Any, crash_at: str | None = None,
+    def run(self, name: str, *args: Any, crash_at: str | None = None, kill: str = "worker",
             store_fault_at: str | None = None, timeout: float = 60.0,
             **kwargs: Any) -> Ending:
         """Call the tool ``name`` and wait (at most ``timeout`` seconds) until the
         call ends: succeeded, failed, dead-lettered, or parked for approval.
 
         With ``crash_at``, a worker armed for that boundary takes the call and
-        SIGKILLs itself there; then a fresh worker takes the redelivery. With
+        SIGKILLs itself there; then a fresh worker takes the redelivery
+        (``kill="pool"``: only its pool process dies, and the same worker's
+        main process handles the lost child and the redelivery). With
         ``store_fault_at``, the store (a Redis of its own) refuses every write
         from that boundary on, until the call ended; then it accepts writes
         again, and the ending is read.
@@ -229,11 +236,17 @@ class ToolHarness:
             return dataclasses.replace(self.ending(task_id), crash_at=None)
         armed = None
         if crash_at is not None:
-            armed = self.start_worker(crash_at=crash_at, tool=name)
+            armed = self.start_worker(crash_at=crash_at, tool=name, kill=kill)
         else:
             self.worker()
         task_id = str(self.app.send_task(name, args=list(args), kwargs=kwargs).id)
         crashed = False
+        if armed is not None and kill == "pool" and crash_at != "before_ack":
+            wait_for(lambda: self._ended(task_id), timeout=timeout,
+                     what=f"{name}[{task_id}] to end\n" + self.ending(task_id).describe())
+            crashed = os.path.exists(self._crash_mark)
+            return dataclasses.replace(self.ending(task_id), crashed=crashed,
+                                       crash_at=crash_at)
         if armed is not None:
             wait_for(lambda: self._ended(task_id) or armed.process.poll() is not None,
                      timeout=timeout, what=f"{name} to reach {crash_at}")

@@ -54,6 +54,22 @@ def test_a_crash_at_each_boundary(tooleffect, tool, boundary):
         assert ending.result == "k"
 
 
+#: Only the pool process dies: the worker's main process ends the call.
+POOL_KILLS = {
+    ("user.lookup", "in_body"): ("succeeded", 0),
+    ("user.save", "in_body"): ("succeeded", 2),
+    ("user.send", "in_body"): ("dead_letter", 1),
+    ("user.send", "before_outcome"): ("dead_letter", 1),
+}
+
+
+@pytest.mark.parametrize("tool, boundary", list(POOL_KILLS))
+def test_a_pool_process_killed_at_a_boundary(tooleffect, tool, boundary):
+    ending = tooleffect.run(tool, "k", crash_at=boundary, kill="pool")
+    assert ending.crashed, ending.describe()
+    assert (ending.settled, ending.intents) == POOL_KILLS[tool, boundary], ending.describe()
+
+
 #: (tool, boundary) -> (how it ends, dead-letter reason, exception type)
 STORE_FAULTS = {
     ("user.lookup", "before_outcome"): ("succeeded", "", ""),
@@ -88,9 +104,36 @@ def test_each_boundary_gives_the_documented_ending(
         "-p", "no:cacheprovider", "-p", "no:randomly", "-s", "-q",
         f"--tooleffect-redis-url={REDIS_URL}", "--rootdir", str(pytester.path),
     )
-    result.assert_outcomes(passed=18, failed=1)
+    result.assert_outcomes(passed=22, failed=1)
     # The failing test reports what ran and where the call ended.
     result.stdout.fnmatch_lines([
         "*task *: dead_letter (backend *) dead letter interrupted_write*; "
         "crash at in_body: crashed; journal dead_lettered; audit: intent started*",
     ])
+
+
+def test_the_plugin_starts_a_redis_of_its_own_when_given_none(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.delenv("TOOLEFFECT_TEST_REDIS_URL", raising=False)
+    pytester.makepyfile(test_embedded=EMBEDDED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-s",
+                                           "--rootdir", str(pytester.path))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["REDIS redis://127.0.0.1:*"])
+
+
+EMBEDDED = '''
+import pytest
+
+pytest_plugins = ["celery_tooleffect.pytest_plugin"]
+pytestmark = pytest.mark.tooleffect_app("tests.apps.plugin_app")
+
+
+def test_a_write_on_the_embedded_redis(tooleffect, tooleffect_redis_url):
+    print("REDIS", tooleffect_redis_url)
+    assert tooleffect_redis_url != "redis://127.0.0.1:6379/0"
+    ending = tooleffect.run("user.send", "k", crash_at="before_ack")
+    assert ending.crashed and (ending.settled, ending.intents) == ("succeeded", 1)
+'''

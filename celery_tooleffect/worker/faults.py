@@ -7,8 +7,10 @@ with ``TOOLEFFECT_CRASH_AT=<boundary>[@<tool name>]`` and
 ``TOOLEFFECT_CRASH_MARK=<file>``; the first attempt (of that tool) that
 reaches the boundary creates the file and kills the whole worker (its process
 group: main process and pool), as a power cut or an OOM kill would; the mark
-keeps any later attempt from crashing again. The boundaries, in the order an
-attempt meets them:
+keeps any later attempt from crashing again. With
+``TOOLEFFECT_CRASH_PROCESS=pool`` only the pool process running the attempt is
+killed, and the worker's main process handles the lost child as it would an
+OOM kill. The boundaries, in the order an attempt meets them:
 
 ``before_intent``
     a write before its lease and intent are recorded (a read: before its body);
@@ -41,6 +43,9 @@ BOUNDARIES = ("before_intent", "after_intent", "in_body", "before_outcome", "bef
 
 _SPEC = os.environ.get("TOOLEFFECT_CRASH_AT") or None
 _MARK = os.environ.get("TOOLEFFECT_CRASH_MARK") or ""
+#: ``worker`` (default): the whole worker dies; ``pool``: only the pool process
+#: running the attempt (``before_ack`` happens in the main process: the worker).
+_PROCESS = os.environ.get("TOOLEFFECT_CRASH_PROCESS") or "worker"
 
 
 def _parse(spec: str | None) -> tuple[str, str] | None:
@@ -72,6 +77,8 @@ def crash_point(boundary: str, tool: str) -> None:
         store.config_set("maxmemory", "1")
         store.close()
     if _matches(_ARMED, boundary, tool) and _first(_MARK):
+        if _PROCESS == "pool" and boundary != "before_ack":
+            os.kill(os.getpid(), signal.SIGKILL)  # the pool process; the worker lives on
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
