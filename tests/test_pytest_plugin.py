@@ -137,3 +137,52 @@ def test_a_write_on_the_embedded_redis(tooleffect, tooleffect_redis_url):
     ending = tooleffect.run("user.send", "k", crash_at="before_ack")
     assert ending.crashed and (ending.settled, ending.intents) == ("succeeded", 1)
 '''
+
+
+def test_the_plugin_works_beside_celerys_own_fixtures(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, prefix: str,
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("BESIDE_PREFIX", prefix)  # deleted by the prefix fixture
+    pytester.makepyfile(test_beside=BESIDE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q",
+                                           f"--tooleffect-redis-url={REDIS_URL}",
+                                           "--rootdir", str(pytester.path))
+    result.assert_outcomes(passed=2)
+
+
+BESIDE = '''
+import os
+
+import pytest
+
+from celery_tooleffect import ToolTask
+
+pytest_plugins = ["celery_tooleffect.pytest_plugin", "celery.contrib.pytest"]
+
+
+@pytest.fixture(scope="session")
+def celery_config():
+    return {"broker_url": "memory://", "result_backend": "cache+memory://",
+            "tooleffect_key_prefix": os.environ["BESIDE_PREFIX"] + "te:"}
+
+
+@pytest.fixture(scope="session")
+def celery_worker_parameters():
+    return {"perform_ping_check": False}
+
+
+def test_celerys_own_fixtures_run_a_tool_in_process(celery_app, celery_worker):
+    @celery_app.task(base=ToolTask, name="beside.lookup", shared=False)
+    def lookup(key):
+        return key
+
+    celery_worker.reload()
+    assert lookup.delay("k").get(timeout=10) == "k"
+
+
+@pytest.mark.tooleffect_app("tests.apps.plugin_app")
+def test_the_plugin_beside_them(tooleffect):
+    ending = tooleffect.run("user.save", "k", crash_at="before_ack")
+    assert ending.crashed and ending.settled == "succeeded"
+'''
