@@ -64,6 +64,16 @@ class Transition:
 
 
 @dataclass(frozen=True)
+class StoredResult:
+    """Celery's result of a task, as its Redis backend would store it: the key,
+    the encoded value, and the expiry in seconds (None: none)."""
+
+    key: str | bytes
+    value: str | bytes
+    expires: int | None
+
+
+@dataclass(frozen=True)
 class JournalRef:
     """Which entry: a task of a run."""
 
@@ -161,6 +171,7 @@ class Journal:
         record_late: bool = True,
         earlier_copy: AuditEvent | None = None,
         ending: Ending | None = None,
+        result: StoredResult | None = None,
     ) -> Transition:
         """Move the entry to ``new_state`` and store ``event``, atomically.
 
@@ -171,6 +182,9 @@ class Journal:
         ``earlier_copy`` is an event stored before (the attempt's intent)
         whose global-stream copy goes first in the same round trip.
         ``ending`` counts, when the entry moves, how the attempt ended.
+        ``result`` (the result backend is this Redis): stored and published in
+        the same script when the entry moves, so that a task's outcome and its
+        Celery result are recorded together or not at all.
         """
         journal_fields = flatten(fields or {})
         now = f"{time.time():.6f}"
@@ -187,7 +201,7 @@ class Journal:
         try:
             answer = script("transition").call_with(
                 self.client,
-                self._keys(ref),
+                [*self._keys(ref), *([result.key] if result is not None else [])],
                 [
                     token,
                     allowed_argument(allowed),
@@ -198,6 +212,8 @@ class Journal:
                     "1" if record_late else "0",
                     ending.counter if ending is not None else "",
                     len(journal_fields) // 2,
+                    (result.expires or 0) if result is not None else 0,
+                    result.value if result is not None else "",
                     *journal_fields,
                     *event_fields,
                 ],

@@ -70,6 +70,7 @@ from .attempt import (
 from .faults import crash_point
 from .heartbeat import Heartbeat, LeasePlan, plan_leases
 from .letters import begin_dead_letter, build_letter
+from .results import result_for_outcome, stored_by_the_outcome
 from .retries import REQUESTED_EXHAUSTED_MARK, RetryPolicy, exhausted_text
 from .signals import AUDITED_MARK
 from .telemetry import tool_call_span
@@ -293,12 +294,16 @@ class Execution:
             "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
             payload=self._payload(result=result),
         )
+        # Celery's result, stored by the outcome's script when the result
+        # backend is the store's Redis (worker/results.py).
+        stored = None if attempt.interactive else result_for_outcome(
+            self.tool, self.request, result, runtime)
         try:
             # SUCCEED_FROM includes 'absent': see its comment.
             moved = runtime.journal.transition(
                 attempt.ref, new_state=JournalState.SUCCEEDED,
                 allowed=states.SUCCEED_FROM, token=attempt.token, event=event,
-                earlier_copy=begin.intent_event,
+                earlier_copy=begin.intent_event, result=stored,
             )
         except StoreUnavailable as store_down:
             telemetry.audit_write_failed("write", attempt.effect.value)
@@ -322,6 +327,8 @@ class Execution:
             runtime.dead_letters.record_late_outcome(attempt.task_id, event)
             if not attempt.interactive:
                 raise LeaseLost(f"{self.label} finished after losing its lease")
+        elif stored is not None:
+            stored_by_the_outcome(self.request)
         return result
 
     # -- before the body -------------------------------------------------------

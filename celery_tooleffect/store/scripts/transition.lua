@@ -4,6 +4,9 @@
 -- its event stored, as phase 'late_outcome', so no outcome goes unrecorded.
 --
 -- KEYS[1] journal hash, KEYS[2] run stream, KEYS[3] run event counter
+-- KEYS[4] (optional) Celery's result key of the task: when given and the
+--         entry moves, the result is stored there and published on it, as
+--         Celery's Redis backend does (SET/SETEX, then PUBLISH on the key)
 -- ARGV[1] owner token ('' = any owner)
 -- ARGV[2] allowed current states, space separated ('absent' = no entry yet)
 -- ARGV[3] new state          ARGV[4] ttl seconds
@@ -12,7 +15,9 @@
 -- ARGV[8] a journal counter to increment when moved ('' = none): how many
 --         attempts ended this way ('ended_failed', 'ended_requested', ...)
 -- ARGV[9] N, the number of extra journal field/value pairs
--- ARGV[10 .. 9+2N] journal field/value pairs, then event field/value pairs
+-- ARGV[10] with KEYS[4]: the result's expiry in seconds ('0' = none)
+-- ARGV[11] with KEYS[4]: the result, encoded by Celery's backend ('' without)
+-- ARGV[12 .. 11+2N] journal field/value pairs, then event field/value pairs
 --
 -- Returns {'ok', previous state}, or {'late' | 'refused', current state, owner}.
 
@@ -22,8 +27,8 @@ local ttl, maxlen, now = ARGV[4], ARGV[5], ARGV[6]
 local record_late = ARGV[7] == '1'
 local counter = ARGV[8]
 local n = tonumber(ARGV[9])
-local journal_fields = slice(ARGV, 10, 9 + 2 * n)
-local event_fields = slice(ARGV, 10 + 2 * n, #ARGV)
+local journal_fields = slice(ARGV, 12, 11 + 2 * n)
+local event_fields = slice(ARGV, 12 + 2 * n, #ARGV)
 
 local current = redis.call('HMGET', journal, 'state', 'owner')
 local state, owner = current[1] or 'absent', current[2] or ''
@@ -43,6 +48,15 @@ if state_allowed and (token == '' or owner == token or state == 'absent') then
   end
   redis.call('EXPIRE', journal, ttl)
   append_event(stream, seq, maxlen, ttl, event_fields, {})
+  if #KEYS >= 4 then
+    local expires = tonumber(ARGV[10])
+    if expires > 0 then
+      redis.call('SET', KEYS[4], ARGV[11], 'EX', expires)
+    else
+      redis.call('SET', KEYS[4], ARGV[11])
+    end
+    redis.call('PUBLISH', KEYS[4], ARGV[11])
+  end
   return {'ok', state}
 end
 

@@ -1,0 +1,90 @@
+"""Celery's result, stored by the write's own outcome script.
+
+When the result backend is Celery's Redis backend on the same server and
+database as the store (the common deployment: one Redis), a write's result is
+stored inside the script that records its outcome, in exactly the key, format,
+expiry and PUBLISH of ``RedisBackend`` (``celery/backends/redis.py``:
+``_store_result`` builds the meta with ``_get_result_meta``, encodes it, and
+``_set`` SETs it with ``result_expires`` and PUBLISHes it on the key, which
+``AsyncResult.get()`` waits on). The task's request then says
+``ignore_result``, which ``Backend.mark_as_done`` reads to skip its own store
+while it still tells a chord the part returned (``on_chord_part_return``).
+
+Two gains: the outcome and the result are recorded together or not at all (a
+worker killed between them no longer leaves a task whose journal says
+``succeeded`` and whose result never arrives), and the two result-backend
+round trips of Celery's store (the GET of the current state, then SET and
+PUBLISH) are saved. Anything else (another backend, another server, a Redis
+Cluster store, ``ignore_result``, interactive runs) is left to Celery.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from celery import states as celery_states
+
+from ..store.journal import StoredResult
+from ..store.runtime import ToolRuntime
+
+_same: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _address(kwargs: Any) -> tuple[Any, ...]:
+    return (kwargs.get("path") or kwargs.get("host") or "127.0.0.1",
+            int(kwargs.get("port") or 6379) if not kwargs.get("path") else 0,
+            int(kwargs.get("db") or 0))
+
+
+def backend_is_the_store(backend: Any, runtime: ToolRuntime) -> bool:
+    """Whether ``backend`` is Celery's Redis backend on the store's server and db."""
+    cached = _same.get(backend)
+    if cached is not None:
+        return cached
+    same = False
+    try:
+        from celery.backends.redis import RedisBackend
+
+        if (isinstance(backend, RedisBackend) and type(backend).__name__ == "RedisBackend"
+                and not runtime.settings.redis_cluster):
+            store = runtime.audit.client.connection_pool.connection_kwargs
+            same = _address(backend.connparams) == _address(store)
+    except Exception:
+        same = False
+    _same[backend] = same
+    return same
+
+
+def result_for_outcome(tool: Any, request: Any, result: Any,
+                       runtime: ToolRuntime) -> StoredResult | None:
+    """Celery's result record of this successful call, to be stored by the
+    outcome's script; None when Celery stores it itself (see the module docs)."""
+    if request.is_eager or request.called_directly or _ignored(tool, request):
+        return None
+    backend = tool.backend
+    if not backend_is_the_store(backend, runtime):
+        return None
+    # What Backend.store_result and BaseKeyValueStoreBackend._store_result do.
+    encoded = backend.encode_result(result, celery_states.SUCCESS)
+    meta = backend._get_result_meta(result=encoded, state=celery_states.SUCCESS,
+                                    traceback=None, request=request)
+    meta["task_id"] = str(request.id)
+    value = backend.encode(meta)
+    if isinstance(value, str) and len(value) > backend._MAX_STR_VALUE_SIZE:
+        return None  # Celery raises its BackendStoreError
+    expires = backend.expires
+    return StoredResult(backend.get_key_for_task(request.id), value,
+                        int(expires) if expires else None)
+
+
+def stored_by_the_outcome(request: Any) -> None:
+    """Tell Celery's tracer that the result is stored: ``mark_as_done`` reads
+    ``request.ignore_result`` and skips its store (the chord is still told)."""
+    request.ignore_result = True
+
+
+def _ignored(tool: Any, request: Any) -> bool:
+    from celery.app.task import get_actual_ignore_result
+
+    return bool(get_actual_ignore_result(tool, request))

@@ -1,0 +1,136 @@
+"""Celery's result stored by a write's own outcome script, when the result
+backend is the store's Redis (worker/results.py): everything that reads
+results behaves as with Celery's backend, and Celery does not store it again."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, chain, chord, group
+
+from celery_tooleffect import ToolEffect, ToolTask
+from celery_tooleffect.store.runtime import runtime_for
+from celery_tooleffect.worker.results import backend_is_the_store
+from tests.conftest import REDIS_URL, Counter, running_worker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def tools(app: Celery, counter: Counter) -> dict[str, Any]:
+    @app.task(base=ToolTask, name="results.write", shared=False,
+              effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    def write(key: str) -> dict[str, Any]:
+        counter.hit(key)
+        return {"key": key, "n": [1, 2]}
+
+    @app.task(base=ToolTask, name="results.add", shared=False,
+              effect=ToolEffect.IDEMPOTENT_WRITE)
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    @app.task(base=ToolTask, name="results.total", shared=False,
+              effect=ToolEffect.IDEMPOTENT_WRITE)
+    def total(values: list[int]) -> int:
+        return sum(values)
+
+    @app.task(base=ToolTask, name="results.quiet", shared=False, ignore_result=True,
+              effect=ToolEffect.IDEMPOTENT_WRITE)
+    def quiet(key: str) -> str:
+        counter.hit(key)
+        return key
+
+    return {"write": write, "add": add, "total": total, "quiet": quiet}
+
+
+class Monitor:
+    """Redis MONITOR in a thread: the commands that touched one key."""
+
+    def __init__(self) -> None:
+        self.commands: list[dict[str, Any]] = []
+        self.client = redis.Redis.from_url(REDIS_URL)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with self.client.monitor() as monitor:
+            self.client.ping()
+            while not self.stop.is_set():
+                command = monitor.next_command()
+                self.commands.append(command)
+                if "monitor-stop" in command["command"]:
+                    return
+
+    def __enter__(self) -> Monitor:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.client.get("monitor-stop")
+        self.thread.join(10)
+
+    def touching(self, key: str) -> list[tuple[str, str]]:
+        return [(c["client_type"], c["command"].split(" ", 1)[0]) for c in self.commands
+                if key in c["command"] and not c["command"].startswith(("EVAL", "MONITOR"))]
+
+
+def test_the_outcome_stores_the_result_once_as_celery_would(
+    make_app: Callable[..., Celery], counter: Counter,
+) -> None:
+    app = make_app(result_extended=True, result_expires=600)
+    tool = tools(app, counter)
+    assert backend_is_the_store(app.backend, runtime_for(app))
+    key = uuid.uuid4().hex[:8]
+    with running_worker(app), Monitor() as monitor:
+        result = tool["write"].delay(key)
+        assert result.get(timeout=30) == {"key": key, "n": [1, 2]}  # pub/sub wait
+    assert result.state == "SUCCESS" and counter.value(key) == 1
+    assert result.name == "results.write" and result.args == [key]  # result_extended
+    assert result.date_done is not None
+    result_key = app.backend.get_key_for_task(result.id).decode()
+    # Stored by the outcome's script (client_type lua), once; Celery's tracer
+    # did not store it again (its SETEX/SET and PUBLISH would come over tcp).
+    # The GET and (UN)SUBSCRIBE over tcp are the caller's result.get().
+    touching = monitor.touching(result_key)
+    writes = [entry for entry in touching if entry[1] in ("SET", "SETEX", "PUBLISH")]
+    assert writes == [("lua", "SET"), ("lua", "PUBLISH")], touching
+    assert 590 < redis.Redis.from_url(REDIS_URL).ttl(result_key) <= 600
+
+
+def test_chains_chords_groups_and_ignore_result_behave_as_with_celery(
+    make_app: Callable[..., Celery], counter: Counter,
+) -> None:
+    app = make_app()
+    tool = tools(app, counter)
+    key = uuid.uuid4().hex[:8]
+    with running_worker(app, concurrency=4):
+        assert chain(tool["add"].s(1, 2), tool["add"].s(10)).delay().get(timeout=30) == 13
+        assert group(tool["add"].s(i, i) for i in range(4)).delay().get(timeout=30) == [
+            0, 2, 4, 6]
+        assert chord((tool["add"].s(i, 1) for i in range(3)),
+                     tool["total"].s()).delay().get(timeout=30) == 6
+        quiet = tool["quiet"].delay(key)
+        counter_value = 0
+        for _ in range(200):
+            counter_value = counter.value(key)
+            if counter_value:
+                break
+            threading.Event().wait(0.05)
+    assert counter_value == 1
+    assert redis.Redis.from_url(REDIS_URL).exists(
+        app.backend.get_key_for_task(quiet.id)) == 0  # ignore_result: nothing stored
+
+
+def test_another_redis_as_result_backend_is_left_to_celery(
+    make_app: Callable[..., Celery], counter: Counter, second_redis: Any,
+) -> None:
+    app = make_app(result_backend=second_redis.url)
+    tool = tools(app, counter)
+    assert not backend_is_the_store(app.backend, runtime_for(app))
+    with running_worker(app):
+        assert tool["add"].delay(2, 3).get(timeout=30) == 5
