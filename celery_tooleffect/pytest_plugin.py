@@ -215,8 +215,9 @@ class ToolHarness:
         call ends: succeeded, failed, dead-lettered, or parked for approval.
 
         With ``crash_at``, a worker armed for that boundary takes the call and
-        SIGKILLs itself there; then a fresh worker takes the redelivery
-        (``kill="pool"``: only its pool process dies, and the same worker's
+        SIGKILLs itself there; then a fresh worker takes the redelivery (for
+        ``before_ack``, the call returns once the redelivery left its mark in
+        the audit trail) (``kill="pool"``: only its pool process dies, and the same worker's
         main process handles the lost child and the redelivery). With
         ``store_fault_at``, the store (a Redis of its own) refuses every write
         from that boundary on, until the call ended; then it accepts writes
@@ -247,14 +248,22 @@ class ToolHarness:
             crashed = os.path.exists(self._crash_mark)
             return dataclasses.replace(self.ending(task_id), crashed=crashed,
                                        crash_at=crash_at)
+        seen = 0
         if armed is not None:
             wait_for(lambda: self._ended(task_id) or armed.process.poll() is not None,
                      timeout=timeout, what=f"{name} to reach {crash_at}")
             crashed = armed.process.poll() is not None
+            seen = len(self.ending(task_id).events)
             armed.kill()
             self.worker()
         wait_for(lambda: self._ended(task_id), timeout=timeout,
                  what=f"{name}[{task_id}] to end\n" + self.ending(task_id).describe())
+        if crashed and crash_at == "before_ack" and self.ending(task_id).settled == "succeeded":
+            # The call had ended before the worker died: wait for the redelivery
+            # (an event after the crash: a read runs again, a write says
+            # duplicate_ignored), so the ending shows what the redelivery did.
+            wait_for(lambda: len(self.ending(task_id).events) > seen, timeout=timeout,
+                     what=f"{name}[{task_id}] to be delivered again after the crash")
         return dataclasses.replace(self.ending(task_id), crashed=crashed, crash_at=crash_at)
 
     def _ended(self, task_id: str) -> bool:

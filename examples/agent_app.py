@@ -88,9 +88,16 @@ def search_catalog(query: str) -> list[str]:
     return [item for item in CATALOG if query.lower() in item]
 
 
+# The writes' operation_deadline is what their bodies need (a call to a
+# provider: seconds), with a margin, not a generous upper bound: it is also
+# how long a write's message stays leased to a worker that was killed while
+# running it: the message is redelivered (and the write run again, reconciled
+# or dead-lettered) only when that lease ends, up to the deadline after the
+# attempt started. A deadline of minutes leaves an interrupted call waiting
+# for minutes (and a crash test of it as long: examples/test_agent_app.py).
 @app.task(
     base=ToolTask, name="agent.set_shipping_address",
-    effect=ToolEffect.IDEMPOTENT_WRITE, operation_deadline=60,
+    effect=ToolEffect.IDEMPOTENT_WRITE, operation_deadline=10,
 )
 def set_shipping_address(order_id: str, address: str) -> str:
     """Set an order's address: doing it twice leaves the same result."""
@@ -101,7 +108,7 @@ def set_shipping_address(order_id: str, address: str) -> str:
 
 @app.task(
     base=ToolTask, name="agent.send_invoice",
-    effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=120,
+    effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=15,
 )
 def send_invoice(customer_id: str, amount_cents: int) -> str:
     """Send an invoice: doing it twice sends two."""
@@ -126,7 +133,7 @@ class CardDeclined(Exception):
 
 @app.task(
     base=ToolTask, name="agent.sync_crm_contact", effect=ToolEffect.IDEMPOTENT_WRITE,
-    operation_deadline=60,
+    operation_deadline=10,
 )
 def sync_crm_contact(customer_id: str, email: str) -> str:
     """Write a contact to the CRM; the first call per customer meets an expired token."""
@@ -149,7 +156,7 @@ def find_charge(self: ToolTask, customer_id: str, amount_cents: int) -> Reconcil
 
 @app.task(
     base=ToolTask, bind=True, name="agent.charge_card",
-    effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=120, reconcile=find_charge,
+    effect=ToolEffect.NON_IDEMPOTENT_WRITE, operation_deadline=15, reconcile=find_charge,
 )
 def charge_card(self: ToolTask, customer_id: str, amount_cents: int) -> str:
     """Charge a card: doing it twice charges twice, unless the provider
@@ -171,7 +178,7 @@ def large_refunds(self: ToolTask, order_id: str, amount_cents: int) -> bool:
 
 @app.task(
     base=ToolTask, name="agent.refund_order", effect=ToolEffect.IDEMPOTENT_WRITE,
-    operation_deadline=60, requires_approval=large_refunds,
+    operation_deadline=10, requires_approval=large_refunds,
 )
 def refund_order(order_id: str, amount_cents: int) -> str:
     """Refund an order (once per order: the refund is keyed by it)."""

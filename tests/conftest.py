@@ -80,6 +80,7 @@ SLOW: dict[str, str] = {
     "test_a_second_delivery_while_the_owner_runs_is_deferred_then_settled": "11.2 s",
     "tests/test_dlq_scale.py": "11.2 s",
     "tests/test_pytest_plugin.py": "73.3 s (both)",
+    "tests/test_examples_plugin.py": "312.2 s",
     "tests/test_demo.py": "12.9 s (both)",
 }
 
