@@ -21,7 +21,7 @@ demo: $(INSTALLED)
 	$(BIN)/python -m celery_tooleffect.demo
 
 # The test command (needs a Redis at 127.0.0.1:6379 and a RabbitMQ at
-# 127.0.0.1:5672): every test (about 17 minutes on 2 cores).
+# 127.0.0.1:5672): every test (about 30 minutes on 2 cores).
 test: $(INSTALLED)
 	$(BIN)/python -m pytest -q
 
