@@ -32,13 +32,17 @@ _same: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _address(kwargs: Any) -> tuple[Any, ...]:
+    # The user too: the store's user may not be allowed the result keys (a
+    # restricted ACL user), and the script runs with the store's connection.
     return (kwargs.get("path") or kwargs.get("host") or "127.0.0.1",
             int(kwargs.get("port") or 6379) if not kwargs.get("path") else 0,
-            int(kwargs.get("db") or 0))
+            int(kwargs.get("db") or 0), kwargs.get("username") or "default",
+            kwargs.get("password") or "")
 
 
 def backend_is_the_store(backend: Any, runtime: ToolRuntime) -> bool:
-    """Whether ``backend`` is Celery's Redis backend on the store's server and db."""
+    """Whether ``backend`` is Celery's Redis backend on the store's server and db,
+    as the same user."""
     cached = _same.get(backend)
     if cached is not None:
         return cached
