@@ -74,6 +74,7 @@ from .task import ToolTask
 from .testing import (
     RedisServerError,
     WorkerProcess,
+    configure_for_test,
     delete_keys,
     pings,
     redis_server,
@@ -224,35 +225,16 @@ def register_tools(app: Celery, *, with_forced_failure: bool = False) -> Tools:
 
 def make_app(broker_url: str, store_url: str, prefix: str,
              visibility_timeout: float = 3600.0) -> Celery:
-    """A Celery app whose every key lives under ``prefix``."""
+    """A Celery app whose every key lives under ``prefix``: broker and results on
+    ``broker_url``, the store on ``store_url`` (:func:`configure_for_test`, the
+    pytest plugin's settings), consuming the demo's queue."""
     app = Celery("tooleffect-demo", set_as_current=False)
     app.conf.update(
-        broker_url=broker_url,
-        result_backend=broker_url,
-        broker_transport_options={
-            "global_keyprefix": prefix,
-            "visibility_timeout": visibility_timeout,
-            # kombu 5.7 looks for unacknowledged messages to restore every
-            # interval * throttle seconds (100 s by default): every second here.
-            "unacked_restore_interval": 1,
-            "unacked_restore_throttle": 1,
-            # A worker killed while it restores messages holds kombu's restore
-            # mutex this long (300 s by default).
-            "unacked_mutex_expire": 10,
-        },
-        result_backend_transport_options={"global_keyprefix": prefix},
-        broker_connection_retry_on_startup=True,
         task_default_queue="agent-tools",
         worker_hijack_root_logger=False,
-        worker_prefetch_multiplier=1,
-        tooleffect_key_prefix=f"{prefix}te:",
-        tooleffect_redis_url=store_url,
         tooleffect_socket_timeout=2.0,
-        # A retry waits for its countdown on the worker: it must end before
-        # the visibility timeout restores the message (checked at start-up).
-        tooleffect_backoff_cap=min(600.0, visibility_timeout / 2),
     )
-    return app
+    return configure_for_test(app, broker_url, prefix, visibility_timeout, store_url)
 
 
 @functools.cache

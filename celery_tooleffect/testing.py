@@ -661,8 +661,12 @@ def configure_for_test(app: Any, redis_url: str, prefix: str,
         broker_transport_options={
             "global_keyprefix": prefix,
             "visibility_timeout": visibility_timeout,
+            # kombu 5.7 looks for unacknowledged messages to restore every
+            # interval * throttle seconds (100 s by default): every second here.
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
+            # A worker killed while it restores messages holds kombu's restore
+            # mutex this long (300 s by default).
             "unacked_mutex_expire": 10,
         },
         result_backend_transport_options={"global_keyprefix": prefix},
@@ -671,6 +675,8 @@ def configure_for_test(app: Any, redis_url: str, prefix: str,
         tooleffect_redis_url=store_url or redis_url,
         tooleffect_key_prefix=f"{prefix}te:",
         tooleffect_backoff_base=0.05,
+        # A retry waits for its countdown on the worker: it must end well
+        # before the visibility timeout restores the message (a start-up check).
         tooleffect_backoff_cap=visibility_timeout / 4,
     )
     return app

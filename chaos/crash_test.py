@@ -46,6 +46,8 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters
+from celery_tooleffect.store.journal import Journal, JournalRef
+from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.testing import (
     REDIS_URL,
     WorkerProcess,
@@ -187,8 +189,8 @@ def where_is(app: Celery, client: redis.Redis, prefix: str, task_id: str) -> str
     whether its message is queued or held unacknowledged on a Redis broker."""
     audit = AuditLog(app)
     trail = " ".join(f"{e['phase']}:{e['status']}" for e in audit.events(task_id))
-    journal = {key.decode(): value.decode() for key, value in client.hgetall(
-        f"{prefix}te:{{{task_id}}}:journal:{task_id}").items()}
+    runtime = runtime_for(app)
+    journal = Journal(runtime.settings, audit).read(JournalRef(task_id, task_id))
     needle = task_id.encode()
     queued = sum(needle in item for key in client.scan_iter(f"{prefix}tools*")
                  if client.type(key) == b"list" for item in client.lrange(key, 0, -1))

@@ -15,7 +15,7 @@ parked: calls awaiting a decision, or the publication of one) and
 ``approvals:where`` (task id to run id). A redelivery of a parked call and
 every decision repair them, and a listing skips entries whose record is gone.
 The number of pending calls is human-sized (each waits for a person), so
-listing and counting read the pending index whole.
+listing and counting read the pending index whole (three round trips).
 """
 
 from __future__ import annotations
@@ -251,16 +251,27 @@ class ApprovalStore:
         """Every call on the pending index, oldest first (those parked before
         ``older_than``, unix seconds, when given): awaiting a decision, or
         decided and not yet published."""
+        client = self.client
         try:
-            task_ids = self.client.zrangebyscore(
+            task_ids = [text(task_id) for task_id in client.zrangebyscore(
                 self.keys.approvals_pending, "-inf",
                 f"({older_than:.6f}" if older_than is not None else "+inf",
-            )
+            ) if isinstance(task_id, (bytes, str))]
+            if not task_ids:
+                return []
+            # Three round trips in all, however many are listed: the index,
+            # the run ids, then every record in one pipeline.
+            located = [(task_id, text(run_id)) for task_id, run_id in zip(
+                task_ids, client.hmget(self.keys.approvals_where, task_ids), strict=True)
+                if run_id is not None]
+            with client.pipeline(transaction=False) as pipe:
+                for task_id, run_id in located:
+                    pipe.hgetall(self.keys.approval(run_id, task_id))
+                records = pipe.execute()
         except redis.RedisError as exc:
             raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
-        found = (self.get(text(task_id)) for task_id in task_ids
-                 if isinstance(task_id, (bytes, str)))
-        return [approval for approval in found if approval is not None]
+        return [Approval.from_record({text(k): text(v) for k, v in record.items()})
+                for record in records if record]
 
     def pending_counts(self) -> Counter[tuple[str, str]]:
         """How many calls await a decision, by (queue, tool)."""

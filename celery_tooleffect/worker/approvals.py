@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from billiard.einfo import ExceptionInfo
 from celery import bootsteps
 from celery import signals as celery_signals
 from celery.utils.saferepr import saferepr
@@ -58,6 +57,7 @@ from ..store.runtime import ToolRuntime, runtime_for
 from ..store.states import ApprovalState
 from . import telemetry
 from .attempt import APPROVED_FIELD, FORGED_FIELD, Attempt
+from .request import exception_info
 from .signals import AUDITED_MARK
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def _end_refused(request: Any, attempt: Attempt, runtime: ToolRuntime,
         + (f": {why}" if why else "") + "; nothing ran"
     )
     exc.__dict__[AUDITED_MARK] = True  # audited below, with the record's move
-    einfo = _exception_info(exc)
+    einfo = exception_info(exc)
     # Result FAILURE, the chord's part, link_error callbacks (errbacks with
     # (request, exc, traceback) are called here, as Celery's pool would).
     request.task.backend.mark_as_failure(request.id, exc, request=request._context,
@@ -169,13 +169,6 @@ def _end_delivery(request: Any, *, requeue: bool = False) -> None:
         request.reject(requeue=True)
     else:
         request.acknowledge()
-
-
-def _exception_info(exc: BaseException) -> ExceptionInfo:
-    try:
-        raise exc
-    except BaseException:
-        return ExceptionInfo()
 
 
 # -- decisions (operators, the sweep) -----------------------------------------------

@@ -76,7 +76,9 @@ from .strategy import check_request, request_built
 
 logger = logging.getLogger(__name__)
 
-def _exception_info(exc: BaseException) -> ExceptionInfo:
+def exception_info(exc: BaseException) -> ExceptionInfo:
+    """Billiard's ExceptionInfo of ``exc`` (with its traceback), as Celery's
+    failure handlers take it."""
     try:
         raise exc
     except BaseException:
@@ -365,7 +367,7 @@ class ToolRequest(Request):  # type: ignore[misc]
             worker_state.task_ready(self)
             self.reject(requeue=True)
             return
-        super().on_failure(_exception_info(rejection))
+        super().on_failure(exception_info(rejection))
 
     def _run_again(self, attempt: Attempt, exc: BaseException) -> None:
         """Publish the task again as a retry, then acknowledge this delivery."""
@@ -378,7 +380,7 @@ class ToolRequest(Request):  # type: ignore[misc]
             worker_state.task_ready(self)
             self.reject(requeue=True)
             return
-        super().on_failure(_exception_info(Retry(exc=exc, sig=signature)))
+        super().on_failure(exception_info(Retry(exc=exc, sig=signature)))
 
     def _forget_delivery(self) -> None:
         """Drop the message locally without acknowledging it on the broker.

@@ -24,6 +24,7 @@ import weakref
 from typing import Any
 
 from celery import states as celery_states
+from celery.app.task import get_actual_ignore_result
 
 from ..store.journal import StoredResult
 from ..store.runtime import ToolRuntime
@@ -89,6 +90,4 @@ def stored_by_the_outcome(request: Any) -> None:
 
 
 def _ignored(tool: Any, request: Any) -> bool:
-    from celery.app.task import get_actual_ignore_result
-
     return bool(get_actual_ignore_result(tool, request))
