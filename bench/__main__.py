@@ -25,6 +25,7 @@ from celery_tooleffect.testing import RedisServer, TcpProxy, redis_server
 
 from .app import IDLE_QUEUE, LATENCY_QUEUE, VARIANTS, config
 from .calls import (
+    ONE_REDIS,
     CountingClient,
     VariantFigures,
     latency_rounds,
@@ -122,6 +123,19 @@ def call_phases(args: argparse.Namespace, server: RedisServer, phases: set[str],
                 round_trip_counts(quiet, [worker.name for worker in started], prefix, poller,
                                   server.client(socket_timeout=60), proxies, figures,
                                   small=args.rt_small, large=args.rt_large, progress=say)
+        # The common deployment: one Redis for all three, as the throughput
+        # rounds run. The package then stores Celery's result and the broker
+        # lease in its own scripts, so only the total can be counted.
+        with counting_proxy(server.port) as one:
+            environment = worker_environment(prefix, one.url(), backend=one.url(),
+                                             store=one.url(), prefetch=args.prefetch)
+            with workers(args.workers, args.concurrency, environment, logdir,
+                         IDLE_QUEUE) as started:
+                wait_ready(quiet, started)
+                round_trip_counts(quiet, [worker.name for worker in started], prefix, poller,
+                                  server.client(socket_timeout=60), {ONE_REDIS: one}, figures,
+                                  small=args.rt_small, large=args.rt_large, progress=say,
+                                  one_redis=True)
     return figures
 
 

@@ -217,6 +217,10 @@ def latency_rounds(app: Celery, figures: dict[str, VariantFigures], *, rounds: i
                      f"p50 {statistics.median(taken):.2f} ms")
 
 
+#: The role under which the one-Redis run's round trips are kept.
+ONE_REDIS = "one redis"
+
+
 @dataclass
 class Snapshot:
     """Round trips per role and Redis commands by name, at one moment."""
@@ -239,8 +243,13 @@ def snapshot(proxies: dict[str, Any], server: redis.Redis, poller: CountingClien
 def round_trip_counts(app: Celery, worker_names: list[str], prefix: str,
                       poller: CountingClient, server: redis.Redis, proxies: dict[str, Any],
                       figures: dict[str, VariantFigures], *, small: int, large: int,
-                      progress: Callable[[str], None]) -> None:
-    """Round trips and commands per call, from two batches of different sizes."""
+                      progress: Callable[[str], None], one_redis: bool = False) -> None:
+    """Round trips and commands per call, from two batches of different sizes.
+
+    ``one_redis``: broker, result backend and store are one Redis behind one
+    proxy (the package then stores results and broker leases in its own
+    scripts); its figure is kept as the round trips of role ``one redis``,
+    beside those of the per-role run."""
     for variant, task_name in VARIANTS.items():
         spent: list[tuple[dict[str, int], Counter[str]]] = []
         # A first batch is discarded: connecting, loading scripts and the
@@ -258,9 +267,12 @@ def round_trip_counts(app: Celery, worker_names: list[str], prefix: str,
             spent.append((trips, commands))
         (small_trips, small_commands), (large_trips, large_commands) = spent[1:]
         calls = large - small
-        figures[variant].round_trips = {
-            role: (large_trips[role] - small_trips[role]) / calls for role in proxies
-        }
+        counted = {role: (large_trips[role] - small_trips[role]) / calls for role in proxies}
+        if one_redis:
+            figures[variant].round_trips[ONE_REDIS] = sum(counted.values())
+            progress(f"round trips {variant}, one Redis: {sum(counted.values()):.2f}")
+            continue
+        figures[variant].round_trips.update(counted)
         per_command = Counter(large_commands)
         per_command.subtract(small_commands)
         figures[variant].commands = {
@@ -268,5 +280,4 @@ def round_trip_counts(app: Celery, worker_names: list[str], prefix: str,
             if abs(count / calls) >= 0.05
         }
         progress(f"round trips {variant}: "
-                 + ", ".join(f"{role} {value:.2f}"
-                             for role, value in figures[variant].round_trips.items()))
+                 + ", ".join(f"{role} {value:.2f}" for role, value in counted.items()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -16,6 +17,8 @@ from celery_tooleffect import AuditLog, DeadLetters, ToolEffect, ToolTask
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.leases import Leases, LeaseVerdict
 from celery_tooleffect.store.runtime import runtime_for
+from celery_tooleffect.store.states import Verdict
+from celery_tooleffect.worker.attempt import Attempt
 from celery_tooleffect.worker.startup import run_checks
 from tests.conftest import Counter, WorkerProcess, running_worker, wait_for
 
@@ -54,6 +57,62 @@ def test_extend_lease_answers_ok_busy_and_lost(
 
         message.ack()
         assert leases.extend_lease(lease, until + 2) is LeaseVerdict.LOST
+
+
+def test_the_intent_secures_the_lease_when_the_broker_is_the_store(
+    make_app: Callable[..., Celery], main_redis: redis.Redis, prefix: str, second_redis: Any,
+) -> None:
+    """One round trip: the lease is raised by begin_attempt's own script, and
+    when it cannot be (a restore sweep holds the mutex, the message was
+    restored or acknowledged) nothing at all is recorded."""
+    app = make_app(broker_transport_options={"global_keyprefix": prefix,
+                                             "visibility_timeout": 30})
+    runtime = runtime_for(app)
+    assert runtime.leases.shares_the_store
+    apart = make_app(tooleffect_redis_url=second_redis.url)
+    assert not runtime_for(apart).leases.shares_the_store
+    with Connection(app.conf.broker_url,
+                    transport_options=app.conf.broker_transport_options) as conn:
+        queue = Queue("lease-intent", routing_key="lease-intent")
+        with conn.Producer() as producer:
+            producer.publish({"n": 1}, routing_key="lease-intent", declare=[queue])
+        message = wait_for(lambda: conn.SimpleQueue(queue).get(timeout=1), what="a message")
+        lease = runtime.leases.broker_lease(message.properties)
+        assert lease is not None
+        index = f"{prefix}unacked_index"
+        context = Attempt(task_id="t", run_id="r", name="t",
+                          effect=ToolEffect.NON_IDEMPOTENT_WRITE, queue="q", token="",
+                          redelivered=False, interactive=False, retries=0).context
+
+        def begin(ref: JournalRef, until: float) -> Any:
+            return runtime.journal.begin_attempt(
+                ref, token=uuid.uuid4().hex, effect="non_idempotent_write",
+                lease_end=time.time() + 30, attempts_allowed=3,
+                event=context.event("intent", "started"),
+                broker_lease=lease, broker_lease_end=until,
+            )
+
+        def untouched(ref: JournalRef) -> bool:
+            return not runtime.journal.read(ref) and not AuditLog(app).events(ref.run_id)
+
+        until = time.time() + 300
+        busy = JournalRef(f"{prefix}busy", f"{prefix}busy")
+        main_redis.set(f"{prefix}unacked_mutex", "sweep", ex=5)
+        assert begin(busy, until).verdict is Verdict.LEASE_BUSY
+        main_redis.delete(f"{prefix}unacked_mutex")
+        assert untouched(busy)
+        assert main_redis.zscore(index, lease.tag) < until - 60  # type: ignore[operator]
+
+        secured = JournalRef(f"{prefix}ok", f"{prefix}ok")
+        assert begin(secured, until).verdict is Verdict.STARTED
+        assert main_redis.zscore(index, lease.tag) == pytest.approx(until - 30, abs=0.01)
+        assert runtime.journal.read(secured)["state"] == "running"
+
+        message.ack()
+        lost = JournalRef(f"{prefix}lost", f"{prefix}lost")
+        assert begin(lost, until + 5).verdict is Verdict.LEASE_LOST
+        assert untouched(lost)
+        assert main_redis.zscore(index, lease.tag) is None
 
 
 def test_a_deadline_secures_the_lease_before_the_body_and_audits_it(

@@ -1,6 +1,7 @@
-"""Celery's result stored by a write's own outcome script, when the result
-backend is the store's Redis (worker/results.py): everything that reads
-results behaves as with Celery's backend, and Celery does not store it again."""
+"""Celery's result stored by a write's own outcome script (a read's: its audit
+append), when the result backend is the store's Redis (worker/results.py):
+everything that reads results behaves as with Celery's backend, and Celery
+does not store it again."""
 
 from __future__ import annotations
 
@@ -28,6 +29,15 @@ def tools(app: Celery, counter: Counter) -> dict[str, Any]:
         counter.hit(key)
         return {"key": key, "n": [1, 2]}
 
+    @app.task(base=ToolTask, name="results.read", shared=False)
+    def read(key: str) -> dict[str, Any]:
+        counter.hit(key)
+        return {"key": key, "n": [1, 2]}
+
+    @app.task(base=ToolTask, name="results.double", shared=False)
+    def double(x: int) -> int:
+        return 2 * x
+
     @app.task(base=ToolTask, name="results.add", shared=False,
               effect=ToolEffect.IDEMPOTENT_WRITE)
     def add(x: int, y: int) -> int:
@@ -44,7 +54,8 @@ def tools(app: Celery, counter: Counter) -> dict[str, Any]:
         counter.hit(key)
         return key
 
-    return {"write": write, "add": add, "total": total, "quiet": quiet}
+    return {"write": write, "read": read, "double": double, "add": add, "total": total,
+            "quiet": quiet}
 
 
 class Monitor:
@@ -79,21 +90,23 @@ class Monitor:
                 if key in c["command"] and not c["command"].startswith(("EVAL", "MONITOR"))]
 
 
+@pytest.mark.parametrize("name", ["write", "read"])
 def test_the_outcome_stores_the_result_once_as_celery_would(
-    make_app: Callable[..., Celery], counter: Counter,
+    make_app: Callable[..., Celery], counter: Counter, name: str,
 ) -> None:
     app = make_app(result_extended=True, result_expires=600)
     tool = tools(app, counter)
     assert backend_is_the_store(app.backend, runtime_for(app))
     key = uuid.uuid4().hex[:8]
     with running_worker(app), Monitor() as monitor:
-        result = tool["write"].delay(key)
+        result = tool[name].delay(key)
         assert result.get(timeout=30) == {"key": key, "n": [1, 2]}  # pub/sub wait
     assert result.state == "SUCCESS" and counter.value(key) == 1
-    assert result.name == "results.write" and result.args == [key]  # result_extended
+    assert result.name == f"results.{name}" and result.args == [key]  # result_extended
     assert result.date_done is not None
     result_key = app.backend.get_key_for_task(result.id).decode()
-    # Stored by the outcome's script (client_type lua), once; Celery's tracer
+    # Stored by the outcome's script or the read's audit append (client_type
+    # lua), once; Celery's tracer
     # did not store it again (its SETEX/SET and PUBLISH would come over tcp).
     # The GET and (UN)SUBSCRIBE over tcp are the caller's result.get().
     touching = monitor.touching(result_key)
@@ -110,6 +123,10 @@ def test_chains_chords_groups_and_ignore_result_behave_as_with_celery(
     key = uuid.uuid4().hex[:8]
     with running_worker(app, concurrency=4):
         assert chain(tool["add"].s(1, 2), tool["add"].s(10)).delay().get(timeout=30) == 13
+        assert chain(tool["double"].s(1), tool["add"].s(1), tool["double"].s()).delay().get(
+            timeout=30) == 6
+        assert chord((tool["double"].s(i) for i in range(3)),
+                     tool["total"].s()).delay().get(timeout=30) == 6
         assert group(tool["add"].s(i, i) for i in range(4)).delay().get(timeout=30) == [
             0, 2, 4, 6]
         assert chord((tool["add"].s(i, 1) for i in range(3)),

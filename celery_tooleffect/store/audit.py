@@ -188,6 +188,16 @@ def event_hash(fields: Sequence[tuple[bytes, bytes]]) -> str:
     return hashlib.sha1(canonical).hexdigest()
 
 
+@dataclass(frozen=True)
+class StoredResult:
+    """Celery's result of a task, as its Redis backend would store it: the key,
+    the encoded value, and the expiry in seconds (None: none)."""
+
+    key: str | bytes
+    value: str | bytes
+    expires: int | None
+
+
 class AuditLog:
     """Reads and appends a run's audit events."""
 
@@ -200,18 +210,25 @@ class AuditLog:
         return redis_client(self.settings.redis_url, self.settings.socket_timeout,
                             cluster=self.settings.redis_cluster)
 
-    def record_step(self, event: AuditEvent) -> bool:
+    def record_step(self, event: AuditEvent, result: StoredResult | None = None) -> bool:
         """Append ``event`` to its run's stream. Never raises; True if stored.
 
         The copy to the global stream travels in the same round trip.
+        ``result`` (the result backend is this Redis): stored and published in
+        the same script, so a READ_ONLY call's outcome and its Celery result
+        are one round trip; when this returns False the caller must leave the
+        result to Celery.
         """
         try:
             run_id = str(event["run_id"])
             fields = flatten(event)
             script("append_event").call_with(
                 self.client,
-                [self.keys.run_events(run_id), self.keys.run_seq(run_id)],
-                [self.settings.run_stream_maxlen, self.settings.journal_ttl, *fields],
+                [self.keys.run_events(run_id), self.keys.run_seq(run_id),
+                 *([result.key] if result is not None else [])],
+                [self.settings.run_stream_maxlen, self.settings.journal_ttl,
+                 (result.expires or 0) if result is not None else 0,
+                 result.value if result is not None else "", *fields],
                 also=[self.global_copy(fields)],
             )
         except Exception as exc:

@@ -89,6 +89,29 @@ def redis_client(url: str, socket_timeout: float, cluster: bool = False) -> redi
     return client
 
 
+def server_identity(connection_kwargs: Any) -> tuple[Any, ...]:
+    """Which server, database and user a redis-py connection's keyword
+    arguments reach: two clients with the same identity may share a script.
+
+    The user counts too: a restricted ACL user may not touch every key."""
+    kwargs = connection_kwargs
+    return (kwargs.get("path") or kwargs.get("host") or "127.0.0.1",
+            int(kwargs.get("port") or 6379) if not kwargs.get("path") else 0,
+            int(kwargs.get("db") or 0), kwargs.get("username") or "default",
+            kwargs.get("password") or "")
+
+
+def url_identity(url: str) -> tuple[Any, ...] | None:
+    """:func:`server_identity` of a ``redis://``, ``rediss://`` or ``unix://``
+    URL; None for any other URL (a sentinel, another transport)."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    try:
+        return server_identity(redis.ConnectionPool.from_url(url).connection_kwargs)
+    except (ValueError, TypeError):
+        return None
+
+
 #: One Redis command as it goes on the wire: its name, then its arguments.
 Command = tuple[str | bytes | bytearray | memoryview | int | float, ...]
 

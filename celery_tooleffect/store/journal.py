@@ -19,8 +19,9 @@ import redis
 from ..errors import StoreUnavailable
 from ..events import AuditEvent
 from ..settings import Settings
-from .audit import AuditLog, flatten, text
+from .audit import AuditLog, StoredResult, flatten, text
 from .keys import Keys
+from .leases import BrokerLease
 from .lua import script
 from .states import Ending, JournalState, Verdict, allowed_argument
 
@@ -64,16 +65,6 @@ class Transition:
 
 
 @dataclass(frozen=True)
-class StoredResult:
-    """Celery's result of a task, as its Redis backend would store it: the key,
-    the encoded value, and the expiry in seconds (None: none)."""
-
-    key: str | bytes
-    value: str | bytes
-    expires: int | None
-
-
-@dataclass(frozen=True)
 class JournalRef:
     """Which entry: a task of a run."""
 
@@ -110,6 +101,8 @@ class Journal:
         attempts_allowed: int,
         event: AuditEvent,
         resume_interrupted: bool = False,
+        broker_lease: BrokerLease | None = None,
+        broker_lease_end: float = 0.0,
     ) -> Begin:
         """Record the intent of an attempt, or say why this delivery must not run.
 
@@ -120,8 +113,16 @@ class Journal:
         ``AuditLog.copy_to_global``), so a write costs one round trip less.
         ``resume_interrupted``: the tool reconciled an interrupted attempt and
         found its write not applied, so a NON_IDEMPOTENT_WRITE may start again.
+        ``broker_lease`` (the broker is this Redis, without a cluster): secured
+        until ``broker_lease_end`` in the same script, before the intent; the
+        verdict is LEASE_BUSY or LEASE_LOST, with nothing recorded, when it
+        cannot be.
         """
         keys = self._keys(ref)
+        lease_args: list[str | int] = ["", ""]
+        if broker_lease is not None:
+            keys += [broker_lease.mutex_key, broker_lease.index_key]
+            lease_args = [broker_lease.tag, f"{broker_lease.score_for(broker_lease_end):.6f}"]
         args: list[str | int] = [
             token,
             f"{time.time():.6f}",
@@ -131,6 +132,7 @@ class Journal:
             self.settings.journal_ttl,
             self.settings.run_stream_maxlen,
             "1" if resume_interrupted else "0",
+            *lease_args,
             *flatten(event),
         ]
         try:

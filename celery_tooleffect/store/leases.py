@@ -21,13 +21,14 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import redis
 
 from ..choices import Choice
 from ..settings import Settings
-from ..store.connections import redis_client
+from ..store.connections import redis_client, url_identity
 from ..store.lua import script
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,17 @@ class Leases:
     def supported(self) -> bool:
         """Whether the broker has leases to extend (kombu's Redis transport)."""
         return self.settings.broker_is_redis
+
+    @cached_property
+    def shares_the_store(self) -> bool:
+        """Whether the broker is the store's Redis (same server, database and
+        user, no cluster): a broker lease can then be secured by the store's
+        own scripts, in the round trip of the intent."""
+        settings = self.settings
+        if not self.supported or settings.redis_cluster or ";" in settings.broker_url:
+            return False
+        broker = url_identity(settings.broker_url)
+        return broker is not None and broker == url_identity(settings.redis_url)
 
     @property
     def client(self) -> redis.Redis:

@@ -94,6 +94,9 @@ class Verdict(Choice):
     INTERRUPTED = "interrupted"
     NOT_RUN = "not_run"
     EXHAUSTED = "exhausted"
+    #: The broker lease secured with the intent was refused (nothing recorded).
+    LEASE_BUSY = "lease_busy"
+    LEASE_LOST = "lease_lost"
 
 
 S = JournalState

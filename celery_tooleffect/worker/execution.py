@@ -54,7 +54,7 @@ from ..store import states
 from ..store.audit import describe_payload
 from ..store.dead_letters import DeadLetterReason
 from ..store.journal import Begin
-from ..store.leases import LeaseVerdict
+from ..store.leases import Leases, LeaseVerdict
 from ..store.runtime import ToolRuntime
 from ..store.states import ApprovalState, Ending, JournalState, Verdict
 from . import telemetry
@@ -243,13 +243,21 @@ class Execution:
                 )
             )
             raise self._after_failure(exc, failure_class, number)
+        # Celery's result rides in the audit append when the result backend is
+        # the store's Redis (worker/results.py); a read's audit is fail-soft,
+        # so when the append fails the result is left to Celery.
+        stored = None if attempt.interactive else result_for_outcome(
+            self.tool, self.request, result, runtime)
         if not runtime.audit.record_step(
             attempt.context.event(
                 "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
                 payload=self._payload(result=result),
-            )
+            ),
+            result=stored,
         ):
             telemetry.audit_write_failed("read", attempt.effect.value)
+        elif stored is not None:
+            stored_by_the_outcome(self.request)
         return result
 
     def _run_write(self) -> Any:
@@ -335,7 +343,8 @@ class Execution:
 
     def _lease_plan(self) -> LeasePlan:
         """The write's leases (:func:`plan_leases`); with a deadline, the broker
-        lease secured until it, before anything is recorded."""
+        lease secured until it before anything is recorded: here, or by the
+        intent's own script when the broker is the store's Redis (``_begin``)."""
         attempt, runtime = self.attempt, self.runtime
         plan = plan_leases(runtime.settings, self.tool.operation_deadline)
         deadline_end = plan.deadline_end
@@ -344,19 +353,26 @@ class Execution:
         lease = runtime.leases.broker_lease(self.request.properties)
         if lease is None:
             return plan
+        if runtime.leases.shares_the_store:
+            return replace(plan, broker_lease=lease, lease_with_intent=True)
         verdict = runtime.leases.extend_lease(lease, deadline_end)
         if verdict is LeaseVerdict.OK:
             telemetry.step("lease secured", **{"tooleffect.lease_until": deadline_end})
             return replace(plan, broker_lease=lease)
+        raise self._lease_refused(verdict, deadline_end)
+
+    def _lease_refused(self, verdict: LeaseVerdict, deadline_end: float) -> BaseException:
+        """The ending of a write whose broker lease could not be secured."""
+        attempt, runtime = self.attempt, self.runtime
         runtime.audit.record_step(
             attempt.context.event("lease_refused", verdict.value, lease_until=f"{deadline_end:.3f}")
         )
         if verdict is LeaseVerdict.LOST:
             # The message was restored: its other copy will run. Acknowledging
             # ours would delete that copy's lease (the delivery tag is shared).
-            raise LeaseLost(f"{self.label}: message restored before it began")
+            return LeaseLost(f"{self.label}: message restored before it began")
         not_secured = LeaseNotSecured(f"{self.label} not run: lease not secured ({verdict.value})")
-        raise self._after_failure(
+        return self._after_failure(
             not_secured, FailureClass.CONNECTION, attempt.retries + 1, body_started=False,
         )
 
@@ -389,19 +405,29 @@ class Execution:
         lease_note = {} if plan.broker_lease is None else {
             "lease_until": f"{plan.deadline_end:.3f}"
         }
+        with_intent = plan.broker_lease if plan.lease_with_intent else None
+        deadline_end = plan.deadline_end or 0.0
         try:
-            begin = runtime.journal.begin_attempt(
-                attempt.ref,
-                token=attempt.token,
-                effect=attempt.effect.value,
-                lease_end=plan.journal_lease_end,
-                attempts_allowed=self.policy.attempts_allowed,
-                resume_interrupted=resume,
-                event=attempt.context.event(
-                    "intent", "started", payload={**self._payload(), **lease_note},
-                    idempotency_key=attempt.idempotency_key,
-                ),
-            )
+            for _ in range(Leases.BUSY_RETRIES):
+                begin = runtime.journal.begin_attempt(
+                    attempt.ref,
+                    token=attempt.token,
+                    effect=attempt.effect.value,
+                    lease_end=plan.journal_lease_end,
+                    attempts_allowed=self.policy.attempts_allowed,
+                    resume_interrupted=resume,
+                    event=attempt.context.event(
+                        "intent", "started", payload={**self._payload(), **lease_note},
+                        idempotency_key=attempt.idempotency_key,
+                    ),
+                    broker_lease=with_intent,
+                    broker_lease_end=deadline_end,
+                )
+                # kombu's restore sweep holds its mutex for a moment: wait it
+                # out, as Leases.extend_lease does (nothing was recorded).
+                if begin.verdict is not Verdict.LEASE_BUSY:
+                    break
+                time.sleep(Leases.BUSY_WAIT)
         except StoreUnavailable as store_down:
             failed = IntentNotRecorded(
                 f"{self.label} not run: its intent could not be recorded: {store_down}"
@@ -418,7 +444,13 @@ class Execution:
 
         verdict = begin.verdict
         if verdict is Verdict.STARTED:
+            if with_intent is not None:
+                telemetry.step("lease secured", **{"tooleffect.lease_until": deadline_end})
             return begin
+        if verdict is Verdict.LEASE_LOST:
+            raise self._lease_refused(LeaseVerdict.LOST, deadline_end)
+        if verdict is Verdict.LEASE_BUSY:
+            raise self._lease_refused(LeaseVerdict.BUSY, deadline_end)
         if verdict in (Verdict.DONE, Verdict.DEAD_LETTERED, Verdict.NOT_RUN):
             raise Ignore()
         if verdict is Verdict.OWNED:

@@ -36,6 +36,9 @@ class LeasePlan:
     interval: float | None = None
     #: The broker lease secured until the deadline (None: none to secure).
     broker_lease: BrokerLease | None = None
+    #: The broker is the store's Redis: ``broker_lease`` is secured by the
+    #: intent's own script, not before it.
+    lease_with_intent: bool = False
 
 
 def heartbeat_interval(settings: Settings, deadline: float | None) -> float:

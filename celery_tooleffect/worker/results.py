@@ -26,19 +26,11 @@ from typing import Any
 from celery import states as celery_states
 from celery.app.task import get_actual_ignore_result
 
-from ..store.journal import StoredResult
+from ..store.audit import StoredResult
+from ..store.connections import server_identity
 from ..store.runtime import ToolRuntime
 
 _same: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def _address(kwargs: Any) -> tuple[Any, ...]:
-    # The user too: the store's user may not be allowed the result keys (a
-    # restricted ACL user), and the script runs with the store's connection.
-    return (kwargs.get("path") or kwargs.get("host") or "127.0.0.1",
-            int(kwargs.get("port") or 6379) if not kwargs.get("path") else 0,
-            int(kwargs.get("db") or 0), kwargs.get("username") or "default",
-            kwargs.get("password") or "")
 
 
 def backend_is_the_store(backend: Any, runtime: ToolRuntime) -> bool:
@@ -54,7 +46,7 @@ def backend_is_the_store(backend: Any, runtime: ToolRuntime) -> bool:
         if (isinstance(backend, RedisBackend) and type(backend).__name__ == "RedisBackend"
                 and not runtime.settings.redis_cluster):
             store = runtime.audit.client.connection_pool.connection_kwargs
-            same = _address(backend.connparams) == _address(store)
+            same = server_identity(backend.connparams) == server_identity(store)
     except Exception:
         same = False
     _same[backend] = same

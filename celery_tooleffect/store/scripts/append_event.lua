@@ -1,7 +1,18 @@
--- Append one audit event to a run's stream (no journal transition).
+-- Append one audit event to a run's stream (no journal transition); for a
+-- READ_ONLY call's outcome, also store Celery's result of the task.
 --
 -- KEYS[1] run stream, KEYS[2] run event counter
--- ARGV[1] stream MAXLEN, ARGV[2] ttl seconds, ARGV[3..] field/value pairs
+-- KEYS[3] (optional) Celery's result key of the task: the result is stored
+--         there and published on it, as Celery's Redis backend does, together
+--         with the event
+-- ARGV[1] stream MAXLEN, ARGV[2] ttl seconds
+-- ARGV[3] with KEYS[3]: the result's expiry in seconds ('0' = none)
+-- ARGV[4] with KEYS[3]: the result, encoded by Celery's backend ('' without)
+-- ARGV[5..] event field/value pairs
 -- Returns {entry id, seq}.
 
-return append_event(KEYS[1], KEYS[2], ARGV[1], ARGV[2], slice(ARGV, 3, #ARGV), {})
+local appended = append_event(KEYS[1], KEYS[2], ARGV[1], ARGV[2], slice(ARGV, 5, #ARGV), {})
+if #KEYS >= 3 then
+  store_result(KEYS[3], ARGV[4], tonumber(ARGV[3]))
+end
+return appended

@@ -3,13 +3,19 @@
 -- with its audit event.
 --
 -- KEYS[1] journal hash, KEYS[2] run stream, KEYS[3] run event counter
+-- KEYS[4], KEYS[5] (optional, when the broker is this Redis) kombu's
+--         unacked_mutex and unacked_index: the message's broker lease is
+--         secured with the intent, as extend_lease.lua does, and no intent is
+--         recorded when it cannot be
 -- ARGV[1] owner token        ARGV[2] now (unix seconds, float)
 -- ARGV[3] lease end          ARGV[4] effect
 -- ARGV[5] attempts allowed   ARGV[6] ttl seconds
 -- ARGV[7] stream MAXLEN
 -- ARGV[8] '1' when the tool reconciled an interrupted attempt and found its
 --         write not applied: a non-idempotent write may then start again
--- ARGV[9..] event field/value pairs
+-- ARGV[9] with KEYS[4..5]: the message's delivery tag ('' without)
+-- ARGV[10] with KEYS[4..5]: its new unacked_index score ('' without)
+-- ARGV[11..] event field/value pairs
 --
 -- Returns {verdict, attempt, detail}:
 --   started         the body may run (detail: 'new', 'reclaimed' or
@@ -25,12 +31,16 @@
 --   not_run         it ended without running (revoked or expired): do not run
 --   exhausted       the attempt budget is spent (then also: how many earlier
 --                   attempts failed, were interrupted, asked for a retry)
+--   lease_busy      (broker lease) a restore sweep holds kombu's mutex: try
+--                   again shortly; nothing recorded
+--   lease_lost      (broker lease) the message was restored or acknowledged:
+--                   its other copy runs; nothing recorded
 
 local journal, stream, seq = KEYS[1], KEYS[2], KEYS[3]
 local token, now, lease_end = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local effect, allowed, ttl, maxlen = ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
 local resume = ARGV[8] == '1'
-local fields = slice(ARGV, 9, #ARGV)
+local fields = slice(ARGV, 11, #ARGV)
 
 local current = redis.call('HMGET', journal, 'state', 'attempt', 'owner', 'lease_end', 'reason',
   'fence')
@@ -87,6 +97,18 @@ if attempt >= allowed then
   local ended = redis.call('HMGET', journal, 'ended_failed', 'ended_interrupted',
     'ended_requested')
   return {'exhausted', attempt, detail, ended[1] or '0', ended[2] or '0', ended[3] or '0'}
+end
+
+-- The broker lease of a write with a deadline (extend_lease.lua, inlined:
+-- one round trip less when the broker is this Redis).
+if #KEYS >= 5 then
+  if redis.call('EXISTS', KEYS[4]) == 1 then
+    return {'lease_busy', attempt, ''}
+  end
+  if not redis.call('ZSCORE', KEYS[5], ARGV[9]) then
+    return {'lease_lost', attempt, ''}
+  end
+  redis.call('ZADD', KEYS[5], 'XX', 'GT', ARGV[10], ARGV[9])
 end
 
 attempt = attempt + 1

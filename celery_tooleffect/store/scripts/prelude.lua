@@ -44,6 +44,19 @@ local function append_event(stream_key, chain_key, maxlen, ttl, fields, override
   return {id, seq}
 end
 
+-- store_result writes Celery's result of a task as Celery's Redis backend does
+-- (celery/backends/redis.py, RedisBackend._set): SET, with EX when the
+-- result expires, then PUBLISH of the same value on the key, which
+-- AsyncResult.get() waits on. expires is a number of seconds, 0 for none.
+local function store_result(key, value, expires)
+  if expires > 0 then
+    redis.call('SET', key, value, 'EX', expires)
+  else
+    redis.call('SET', key, value)
+  end
+  redis.call('PUBLISH', key, value)
+end
+
 -- ARGV[from..to] as a Lua list.
 local function slice(list, from, to)
   local out = {}

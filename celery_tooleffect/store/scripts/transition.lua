@@ -49,13 +49,7 @@ if state_allowed and (token == '' or owner == token or state == 'absent') then
   redis.call('EXPIRE', journal, ttl)
   append_event(stream, seq, maxlen, ttl, event_fields, {})
   if #KEYS >= 4 then
-    local expires = tonumber(ARGV[10])
-    if expires > 0 then
-      redis.call('SET', KEYS[4], ARGV[11], 'EX', expires)
-    else
-      redis.call('SET', KEYS[4], ARGV[11])
-    end
-    redis.call('PUBLISH', KEYS[4], ARGV[11])
+    store_result(KEYS[4], ARGV[11], tonumber(ARGV[10]))
   end
   return {'ok', state}
 end
