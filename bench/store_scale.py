@@ -223,6 +223,17 @@ def dead_letter_operations(app: Celery, environment: dict[str, str], *, letters_
     timed.append(Timed(f"`dlq replay --all` of {replay_count:,} READ_ONLY letters", None,
                        seconds, rss, f"{replay_count / seconds:,.0f} replays/s"))
     progress(f"bulk replay of {replay_count:,}: {seconds:.1f} s, {rss:.1f} MiB")
+
+    purged_queue = QUEUES[-1]
+    purge_count = letters.stats().by_queue.get(purged_queue, 0)
+    seconds, rss = cli(environment, "dlq", "purge", "--all", "--older-than", "0s", "--queue",
+                       purged_queue, "--yes", repeat=1)
+    left = letters.stats().by_queue.get(purged_queue, 0)
+    if left or not purge_count:
+        raise RuntimeError(f"bulk purge of {purge_count} letters left {left}")
+    timed.append(Timed(f"`dlq purge --all` of {purge_count:,} letters (one queue)", None,
+                       seconds, rss, f"{purge_count / seconds:,.0f} purges/s"))
+    progress(f"bulk purge of {purge_count:,}: {seconds:.1f} s, {rss:.1f} MiB")
     return timed
 
 

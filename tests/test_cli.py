@@ -9,6 +9,7 @@ many times its body ran, so a replay is seen to really run the task again.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.states import JournalState
+from celery_tooleffect.testing import TcpProxy
 from tests.conftest import REDIS_URL, TESTS, Counter, running_worker, wait_for
 
 WIDTH = 100
@@ -663,3 +665,74 @@ def test_celery_subcommand_and_console_script_in_subprocesses(
         text=True, timeout=60, check=False,
     )
     assert usage.returncode == 2 and "-A" in usage.stderr
+
+
+def test_bulk_replay_and_purge_go_by_batch_and_keep_each_letter_audited(
+    make_app: Callable[..., Celery], counter: Counter, main_redis: redis.Redis, prefix: str,
+) -> None:
+    """A bulk action reads, takes, records and forgets a whole batch of letters in
+    one round trip per step; only the publishes go one by one. Each letter is
+    still taken atomically, audited once, and its message published unchanged."""
+    with TcpProxy(main_redis.connection_pool.connection_kwargs["port"]) as proxy:
+        app = make_app(broker_url=proxy.url(), result_backend=proxy.url())
+        tools = Tools(app, counter, main_redis, prefix)
+
+        def body(key: str) -> str:
+            raise ValueError(f"provider rejected {key}")
+
+        for effect, name in NAMES.items():
+            app.task(base=ToolTask, effect=effect, name=name, shared=False)(body)
+        reads = [f"bulk-read-{i}" for i in range(14)]
+        idempotent = [f"bulk-idem-{i}" for i in range(8)]
+        writes = [f"bulk-write-{i}" for i in range(3)]
+        with running_worker(app):
+            ids = {key: tools.call(ToolEffect.READ_ONLY, key) for key in reads}
+            ids |= {key: tools.call(ToolEffect.IDEMPOTENT_WRITE, key) for key in idempotent}
+            ids |= {key: tools.call(ToolEffect.NON_IDEMPOTENT_WRITE, key) for key in writes}
+            letters = {key: wait_for(lambda task_id=task_id: DeadLetters(app).get(task_id),
+                                     what=f"dead letter {key}") for key, task_id in ids.items()}
+        bodies = {letter.task_id: letter.message.body  # type: ignore[union-attr]
+                  for letter in letters.values()}
+
+        before = proxy.round_trips
+        purged = invoke(app, "dlq", "purge", "--all", "--older-than", "0s", "--effect",
+                        "read_only", "--yes", "--json")
+        purge_trips = proxy.round_trips - before
+        assert json.loads(purged.stdout)["done"] == len(reads), purged.output
+
+        before = proxy.round_trips
+        bulk = invoke(app, "dlq", "replay", "--all", "--json", "--reason", "nightly")
+        replay_trips = proxy.round_trips - before
+        summary = json.loads(bulk.stdout)
+        assert (summary["done"], summary["refused"]) == (len(idempotent), len(writes)), bulk.output
+
+    # A batch costs a constant: its pages (walked twice: counted, then acted
+    # on), connecting, then one round trip per step (read 2, take, journal
+    # resets and their global copies, the reads' events, forget); a replay
+    # adds one publish per letter. One by one it was five or six per letter.
+    per_batch = 16
+    direct = make_app()  # the proxy is gone: read the same keys without it
+    assert purge_trips <= per_batch, purge_trips
+    assert replay_trips <= len(idempotent) + per_batch, replay_trips
+    for key in reads:
+        letter = letters[key]
+        phases = [e["phase"] for e in events_of(direct, letter.run_id)]
+        assert phases.count("purged") == 1 and "replayed" not in phases
+        assert DeadLetters(direct).get(letter.task_id) is None
+    queued = main_redis.lrange(f"{prefix}tools", 0, -1)
+    published = {json.loads(raw)["headers"]["id"]: base64.b64decode(json.loads(raw)["body"])
+                 for raw in queued}
+    assert set(published) == {ids[key] for key in idempotent}
+    for key in idempotent:
+        letter = letters[key]
+        assert published[letter.task_id] == bodies[letter.task_id]  # the bytes, unchanged
+        phases = [e["phase"] for e in events_of(direct, letter.run_id)]
+        assert phases.count("replayed") == 1
+        assert DeadLetters(direct).get(letter.task_id) is None
+        assert journal_state(direct, letter)["state"] == JournalState.REPLAYED.value
+    for key in writes:  # refused in bulk: kept as they were
+        letter = letters[key]
+        assert DeadLetters(direct).get(letter.task_id) is not None
+        assert journal_state(direct, letter)["state"] == "dead_lettered"
+    assert DeadLetters(direct).stats().total == len(writes)
+    assert not main_redis.hlen(DeadLetters(app).keys.dead_letter_replaying)

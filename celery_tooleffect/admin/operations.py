@@ -72,7 +72,7 @@ from ..store.dead_letters import (
     DeadLetterStats,
 )
 from ..store.envelope import shown
-from ..store.journal import JournalRef
+from ..store.journal import JournalRef, ReplayRequest
 from ..store.runtime import ToolRuntime, runtime_for
 from ..store.states import JournalState
 from ..worker.attempt import RUN_ID_HEADER
@@ -425,42 +425,83 @@ class DeadLetterOperations:
     def _replay_taken(
         self, letter: DeadLetter, *, actor: str, reason: str, force: bool, bulk: bool, via: str,
     ) -> ActionResult:
-        runtime = self.runtime
-        letters = runtime.dead_letters
+        letters = self.runtime.dead_letters
         # The letter may have changed since it was read (a late outcome).
         refusal = replay_refusal(letter, force=force, reason=reason, bulk=bulk)
         if refusal:
             letters.put_back(letter)
             return self._result(letter, "replay", Outcome.REFUSED, refusal)
+        step = self._replay_step(letter, actor=actor, reason=reason, force=force, via=via)
+        unrecorded = self._record_replays([step])[0]
+        if unrecorded is not None:
+            return unrecorded
+        result = self._publish_replay(step, actor=actor)
+        if result.ok:
+            with contextlib.suppress(StoreUnavailable):  # published: the copy aside is a record
+                letters.forget_taken(letter.task_id)
+        return result
+
+    def _replay_step(
+        self, letter: DeadLetter, *, actor: str, reason: str, force: bool, via: str,
+    ) -> _ReplayStep:
+        """The audited step of replaying a taken ``letter``, not yet recorded."""
         effect = letter_effect(letter)
-        ref = JournalRef(_run_id(letter), letter.task_id)
-        token = uuid.uuid4().hex
         event = self._event(letter, "replayed", "requested", actor=actor, reason=reason,
                             force=force, via=via)
-        try:
-            if effect.is_write:
-                allowed = (states.REPLAY_IDEMPOTENT_FROM if effect is ToolEffect.IDEMPOTENT_WRITE
-                           else states.REPLAY_FROM)
-                answer = runtime.journal.replay(
-                    ref, token=token, effect=effect.value, allowed=allowed, event=event,
-                    refuse_late_outcome=effect is ToolEffect.NON_IDEMPOTENT_WRITE,
-                    lapsed_running_ok=force or effect is not ToolEffect.NON_IDEMPOTENT_WRITE,
-                )
-                if not answer:
-                    letters.put_back(letter)
-                    return self._result(letter, "replay", Outcome.REFUSED,
-                                        _journal_refusal(letter, answer.previous_state,
-                                                         answer.detail))
-            elif not runtime.audit.record_step(event):
-                letters.put_back(letter)
-                return self._result(letter, "replay", Outcome.FAILED,
-                                    f"{_label(letter)} not replayed: its audit event could "
-                                    "not be stored")
-        except StoreUnavailable as exc:
-            letters.put_back(letter)
-            return self._result(letter, "replay", Outcome.FAILED,
-                                f"{_label(letter)} not replayed: {exc}")
+        request = None
+        if effect.is_write:
+            allowed = (states.REPLAY_IDEMPOTENT_FROM if effect is ToolEffect.IDEMPOTENT_WRITE
+                       else states.REPLAY_FROM)
+            request = ReplayRequest(
+                JournalRef(_run_id(letter), letter.task_id), token=uuid.uuid4().hex,
+                effect=effect.value, allowed=allowed, event=event,
+                refuse_late_outcome=effect is ToolEffect.NON_IDEMPOTENT_WRITE,
+                lapsed_running_ok=force or effect is not ToolEffect.NON_IDEMPOTENT_WRITE,
+            )
+        return _ReplayStep(letter, event, request)
 
+    def _record_replays(self, steps: list[_ReplayStep]) -> list[ActionResult | None]:
+        """Record each step (a write's journal reset with its event, a read's event
+        alone), one round trip for the writes and one for the reads however many
+        there are; None where recorded, else the ending (the letter put back)."""
+        runtime = self.runtime
+        endings: list[ActionResult | None] = [None] * len(steps)
+        writes = [i for i, step in enumerate(steps) if step.request is not None]
+        reads = [i for i, step in enumerate(steps) if step.request is None]
+        requests = [step.request for step in steps if step.request is not None]
+        try:
+            replays: list[Any] = runtime.journal.replay_many(requests) if requests else []
+        except StoreUnavailable as exc:
+            replays = [exc] * len(writes)
+        for i, answer in zip(writes, replays, strict=True):
+            letter = steps[i].letter
+            if isinstance(answer, StoreUnavailable):
+                endings[i] = self._put_back(letter, Outcome.FAILED,
+                                            f"{_label(letter)} not replayed: {answer}")
+            elif not answer:
+                endings[i] = self._put_back(letter, Outcome.REFUSED, _journal_refusal(
+                    letter, answer.previous_state, answer.detail))
+        stored = runtime.audit.record_steps([steps[i].event for i in reads])
+        for i, ok in zip(reads, stored, strict=True):
+            if not ok:
+                endings[i] = self._put_back(
+                    steps[i].letter, Outcome.FAILED,
+                    f"{_label(steps[i].letter)} not replayed: its audit event could not be "
+                    "stored")
+        return endings
+
+    def _put_back(self, letter: DeadLetter, outcome: Outcome, message: str) -> ActionResult:
+        """A replay that did not happen: its letter goes back to the store."""
+        try:
+            self.runtime.dead_letters.put_back(letter)
+        except StoreUnavailable as exc:
+            # Kept aside, as a replay in progress: the next replay of it resumes it.
+            message += f" (the letter stays aside as a replay in progress: {exc})"
+        return self._result(letter, "replay", outcome, message)
+
+    def _publish_replay(self, step: _ReplayStep, *, actor: str) -> ActionResult:
+        """Publish a recorded step's message; on failure, undo the step."""
+        runtime, letter, event = self.runtime, step.letter, step.event
         try:
             member = chord_member(letter, self.accept)
             closed = member and chord_refusal(self.app, letter, member, reopen=True)
@@ -470,24 +511,21 @@ class DeadLetterOperations:
         except Exception as exc:
             failed = replace(event.amended(phase="replay_failed", status="not_published"),
                              exception_type=type(exc).__qualname__)
-            if effect.is_write:
+            if step.request is not None:
                 # Best effort: were it left 'replayed', no message would come anyway.
                 with contextlib.suppress(StoreUnavailable):
                     runtime.journal.transition(
-                        ref, new_state=JournalState.DEAD_LETTERED,
-                        allowed=frozenset({JournalState.REPLAYED}), token=token, event=failed,
-                        record_late=False,
+                        step.request.ref, new_state=JournalState.DEAD_LETTERED,
+                        allowed=frozenset({JournalState.REPLAYED}), token=step.request.token,
+                        event=failed, record_late=False,
                     )
             else:
                 runtime.audit.record_step(failed)
-            letters.put_back(letter)
             if isinstance(exc, ChordEnded):
-                return self._result(letter, "replay", Outcome.REFUSED, str(exc))
-            return self._result(letter, "replay", Outcome.FAILED,
-                                f"{_label(letter)} not published ({type(exc).__name__}: "
-                                f"{exc}); the dead letter is kept")
-        with contextlib.suppress(StoreUnavailable):  # published: the copy aside is a record
-            letters.forget_taken(letter.task_id)
+                return self._put_back(letter, Outcome.REFUSED, str(exc))
+            return self._put_back(letter, Outcome.FAILED,
+                                  f"{_label(letter)} not published ({type(exc).__name__}: "
+                                  f"{exc}); the dead letter is kept")
         return self._result(
             letter, "replay", Outcome.DONE,
             f"replayed {_label(letter)} ({letter.effect}) to queue {letter.queue}",
@@ -499,8 +537,51 @@ class DeadLetterOperations:
         """Replay, in bulk, every letter matching ``query`` (writes that are not idempotent
         are refused, one result each)."""
         for batch in self.runtime.dead_letters.matching_ids(query):
-            for task_id in batch:
-                yield self.replay(task_id, actor=actor, reason=reason, bulk=True, via=via)
+            yield from self._replay_batch(batch, actor=actor, reason=reason, via=via)
+
+    def _replay_batch(
+        self, task_ids: list[str], *, actor: str, reason: str, via: str,
+    ) -> Iterator[ActionResult]:
+        """:meth:`replay` of each of ``task_ids`` (bulk rules), each step in one
+        round trip for the whole batch: read, take, record, forget; only the
+        publishes go one by one. Each letter's step stays atomic and audited; a
+        letter that is not simply there (a replay in progress, changed meanwhile,
+        in a chord) goes the one-by-one way."""
+        letters = self.runtime.dead_letters
+        one_by_one: list[str] = []
+        try:
+            held = letters.get_many(task_ids)
+        except StoreUnavailable:
+            held, one_by_one = [], list(task_ids)
+        candidates = []
+        for task_id, entry in zip(task_ids, held, strict=False):
+            if entry is None or chord_member(entry.letter, self.accept) is not None:
+                one_by_one.append(task_id)
+                continue
+            refusal = replay_refusal(entry.letter, force=False, reason=reason, bulk=True)
+            if refusal:
+                yield self._result(entry.letter, "replay", Outcome.REFUSED, refusal)
+            else:
+                candidates.append(entry)
+        try:
+            taken = letters.take_many(candidates)
+        except StoreUnavailable:
+            taken = [False] * len(candidates)
+        one_by_one += [entry.letter.task_id for entry, ok in zip(candidates, taken, strict=True)
+                       if not ok]
+        steps = [self._replay_step(entry.letter, actor=actor, reason=reason, force=False,
+                                   via=via)
+                 for entry, ok in zip(candidates, taken, strict=True) if ok]
+        published = []
+        for step, unrecorded in zip(steps, self._record_replays(steps), strict=True):
+            result = unrecorded or self._publish_replay(step, actor=actor)
+            if result.ok:
+                published.append(step.letter.task_id)
+            yield result
+        with contextlib.suppress(StoreUnavailable):  # published: the copies aside are records
+            letters.forget_taken_many(published)
+        for task_id in one_by_one:
+            yield self.replay(task_id, actor=actor, reason=reason, bulk=True, via=via)
 
     # -- reconcile ---------------------------------------------------------------
 
@@ -644,7 +725,41 @@ class DeadLetterOperations:
         """Purge every letter matching ``query`` stored more than ``older_than`` seconds ago."""
         cutoff = time.time() - max(older_than, 0.0)
         for batch in self.runtime.dead_letters.matching_ids(query, older_than=cutoff):
-            for task_id in batch:
+            yield from self._purge_batch(batch, actor=actor, reason=reason, via=via)
+
+    def _purge_batch(
+        self, task_ids: list[str], *, actor: str, reason: str, via: str,
+    ) -> Iterator[ActionResult]:
+        """:meth:`purge` of each of ``task_ids``, each step in one round trip for the
+        whole batch (read, take, audit, forget); each letter's removal stays
+        atomic and audited. A letter that is not simply there goes the
+        one-by-one way."""
+        letters = self.runtime.dead_letters
+        try:
+            held = letters.get_many(task_ids)
+            present = [entry for entry in held if entry is not None]
+            taken = letters.take_many(present)
+        except StoreUnavailable:
+            held, present, taken = [], [], []
+        mine = [entry.letter for entry, ok in zip(present, taken, strict=True) if ok]
+        mine_ids = {letter.task_id for letter in mine}
+        events = [self._event(letter, "purged", "removed", actor=actor, reason=reason,
+                              force=False, via=via) for letter in mine]
+        purged = []
+        for letter, stored in zip(mine, self.runtime.audit.record_steps(events), strict=True):
+            if stored:
+                purged.append(letter.task_id)
+                yield self._result(letter, "purge", Outcome.DONE, f"purged {_label(letter)}")
+                continue
+            with contextlib.suppress(StoreUnavailable):  # else kept aside, as in progress
+                letters.put_back(letter)
+            yield self._result(letter, "purge", Outcome.FAILED,
+                               f"{_label(letter)} not purged: its audit event could not be "
+                               "stored")
+        with contextlib.suppress(StoreUnavailable):
+            letters.forget_taken_many(purged)
+        for task_id in task_ids:
+            if task_id not in mine_ids:
                 yield self.purge(task_id, actor=actor, reason=reason, via=via)
 
     def count_matching(self, query: DeadLetterQuery, *, older_than: float | None = None) -> int:
@@ -687,6 +802,16 @@ class DeadLetterOperations:
 RECONCILABLE = frozenset({
     DeadLetterReason.INTERRUPTED_WRITE.value, DeadLetterReason.REVOKED.value,
 })
+
+
+@dataclass(frozen=True)
+class _ReplayStep:
+    """One taken letter's replay: its ``replayed`` event and, for a write, the
+    journal reset that stores that event."""
+
+    letter: DeadLetter
+    event: AuditEvent
+    request: ReplayRequest | None
 
 
 def reconcile_refusal(letter: DeadLetter, *, declared: bool) -> str | None:

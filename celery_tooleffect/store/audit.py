@@ -34,7 +34,7 @@ from ..events import AuditEvent
 from ..settings import Settings, settings_for
 from .connections import Command, one_round_trip, redis_client
 from .keys import Keys, unescape_hash_tag
-from .lua import script
+from .lua import KeyOrArg, script
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -236,6 +236,31 @@ class AuditLog:
                            dict(event, run_id=event.get("run_id")))
             return False
         return True
+
+    def record_steps(self, events: Sequence[AuditEvent]) -> list[bool]:
+        """:meth:`record_step` for many events, in one round trip with their
+        global-stream copies; each append stays atomic. Never raises; True
+        where stored."""
+        try:
+            flat = [flatten(event) for event in events]
+            calls: list[tuple[list[KeyOrArg], list[KeyOrArg]]] = []
+            for event, fields in zip(events, flat, strict=True):
+                run_id = str(event["run_id"])
+                calls.append(([self.keys.run_events(run_id), self.keys.run_seq(run_id)],
+                              [self.settings.run_stream_maxlen, self.settings.journal_ttl,
+                               0, "", *fields]))
+            answers = script("append_event").call_many(
+                self.client, calls, also=[self.global_copy(fields) for fields in flat])
+        except Exception as exc:
+            logger.warning("%d audit events not stored (%s: %s)", len(events),
+                           type(exc).__name__, exc)
+            return [False] * len(events)
+        stored = [not isinstance(answer, Exception) for answer in answers]
+        for event, ok, answer in zip(events, stored, answers, strict=True):
+            if not ok:
+                logger.warning("audit event not stored (%s): %s", answer,
+                               dict(event, run_id=event.get("run_id")))
+        return stored
 
     def global_copy(self, fields: Sequence[str]) -> Command:
         """The command that copies an event, given as its :func:`flatten` fields, to

@@ -128,7 +128,10 @@ def one_round_trip(client: redis.Redis, commands: Sequence[Command]) -> list[Any
     This is what a non-transactional pipeline does, without building one: on
     the hot path of every tool call that machinery costs more CPU than the
     round trip itself. On a Redis Cluster client it is a cluster pipeline.
+    No commands, no round trip.
     """
+    if not commands:
+        return []
     if isinstance(client, RedisCluster):
         pipe = client.pipeline(transaction=False)
         for command in commands:

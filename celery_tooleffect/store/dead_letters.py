@@ -29,7 +29,7 @@ from __future__ import annotations
 import builtins
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,10 +39,10 @@ from ..choices import Choice
 from ..errors import StoreUnavailable
 from ..settings import Settings, settings_for
 from ..store.audit import text
-from ..store.connections import redis_client
+from ..store.connections import one_round_trip, redis_client
 from ..store.envelope import MessageEnvelope
 from ..store.keys import Keys
-from ..store.lua import script
+from ..store.lua import KeyOrArg, script
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -521,6 +521,60 @@ class DeadLetters:
             taken_at, envelope = 0.0, bytes(raw)
         return DeadLetter.from_json(envelope), taken_at
 
+    # -- in bulk: one round trip per step for a whole batch ----------------------
+
+    def get_many(self, task_ids: Sequence[str]) -> builtins.list[HeldLetter | None]:
+        """The dead letters of ``task_ids`` as stored (None where there is none),
+        in two round trips for any number. Raises :class:`StoreUnavailable`."""
+        try:
+            locations = one_round_trip(self.client, [
+                ("HGET", self.keys.dead_letter_locations, task_id) for task_id in task_ids])
+            found = [(i, text(queue)) for i, queue in enumerate(locations)
+                     if isinstance(queue, bytes)]
+            raws = one_round_trip(self.client, [
+                ("HGET", self.keys.dead_letters(queue), task_ids[i]) for i, queue in found])
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
+        held: builtins.list[HeldLetter | None] = [None] * len(task_ids)
+        for (i, queue), raw in zip(found, raws, strict=True):
+            if isinstance(raw, bytes):
+                held[i] = HeldLetter(DeadLetter.from_json(raw), raw, queue)
+        return held
+
+    def take_many(self, held: Sequence[HeldLetter]) -> builtins.list[bool]:
+        """:meth:`take` for letters read by :meth:`get_many`, in one round trip;
+        each take stays atomic. False where the letter changed or went since it
+        was read (take it alone). Raises :class:`StoreUnavailable`."""
+        now = repr(time.time())
+        calls: builtins.list[tuple[builtins.list[KeyOrArg], builtins.list[KeyOrArg]]] = [
+            ([*self._remove_keys(entry.letter, entry.queue)],
+             [entry.letter.task_id, entry.raw, "move", entry.queue, now,
+              combination_field(entry.letter)]) for entry in held]
+        try:
+            answers = script("dead_letter_remove").call_many(self.client, calls)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
+        return [not isinstance(answer, Exception) and bool(answer) for answer in answers]
+
+    def forget_taken_many(self, task_ids: Sequence[str]) -> None:
+        """:meth:`forget_taken` for many letters, in one round trip."""
+        if not task_ids:
+            return
+        try:
+            self.client.hdel(self.keys.dead_letter_replaying, *task_ids)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
+
+    def _remove_keys(self, letter: DeadLetter, queue: str) -> builtins.list[str]:
+        return [
+            self.keys.dead_letters(queue),
+            self.keys.dead_letter_locations,
+            self.keys.dead_letter_replaying,
+            self.keys.dead_letter_counts,
+            self.keys.dead_letter_index(queue),
+            *self.shared_index_keys(letter),
+        ]
+
     def _remove(self, task_id: str, mode: str) -> DeadLetter | None:
         for _ in range(10):  # the letter changes only when a late outcome is copied onto it
             try:
@@ -533,14 +587,7 @@ class DeadLetters:
                 letter = DeadLetter.from_json(raw)
                 taken = script("dead_letter_remove")(
                     self.client,
-                    [
-                        self.keys.dead_letters(queue),
-                        self.keys.dead_letter_locations,
-                        self.keys.dead_letter_replaying,
-                        self.keys.dead_letter_counts,
-                        self.keys.dead_letter_index(queue),
-                        *self.shared_index_keys(letter),
-                    ],
+                    self._remove_keys(letter, queue),
                     [task_id, raw, mode, queue, repr(time.time()), combination_field(letter)],
                 )
             except redis.RedisError as exc:
@@ -591,6 +638,16 @@ def combination_field(letter: DeadLetter) -> str:
     failure class and effect (unambiguous whatever characters they hold)."""
     values = [letter.queue, *(value for _, value in facets_of(letter))]
     return json.dumps(values, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class HeldLetter:
+    """A dead letter as :meth:`DeadLetters.get_many` read it: the letter, its
+    stored bytes (a take succeeds only while they are unchanged) and its queue."""
+
+    letter: DeadLetter
+    raw: bytes
+    queue: str
 
 
 @dataclass(frozen=True)

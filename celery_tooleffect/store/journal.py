@@ -10,8 +10,9 @@ Its states and allowed moves are :mod:`celery_tooleffect.store.states`.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -20,6 +21,7 @@ from ..errors import StoreUnavailable
 from ..events import AuditEvent
 from ..settings import Settings
 from .audit import AuditLog, StoredResult, flatten, text
+from .connections import one_round_trip
 from .keys import Keys
 from .leases import BrokerLease
 from .lua import script
@@ -288,29 +290,68 @@ class Journal:
         ``late_outcome`` of the task. Raises :class:`StoreUnavailable` when
         nothing could be stored.
         """
+        request = ReplayRequest(ref, token, effect, allowed, event, refuse_late_outcome,
+                                lapsed_running_ok)
         try:
-            answer = script("replay")(
-                self.client,
-                self._keys(ref),
-                [
-                    token,
-                    f"{time.time():.6f}",
-                    allowed_argument(allowed),
-                    effect,
-                    self.settings.journal_ttl,
-                    self.settings.run_stream_maxlen,
-                    ref.task_id,
-                    "1" if refuse_late_outcome else "0",
-                    "1" if lapsed_running_ok else "0",
-                    *flatten(event),
-                ],
-            )
+            answer = script("replay")(self.client, *self._replay_call(request))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
         moved = text(answer[0]) == "ok"
         if moved:
             self.audit.copy_to_global(event)
         return Replay(moved, text(answer[1]), text(answer[2]))
+
+    def replay_many(self, requests: Sequence[ReplayRequest]) -> list[Replay | StoreUnavailable]:
+        """:meth:`replay` for many entries: their scripts in one round trip (each
+        stays atomic), then the global-stream copies of those reset in another.
+        A run refused by the server is its :class:`StoreUnavailable`; raises
+        :class:`StoreUnavailable` when the round trip failed."""
+        try:
+            answers = script("replay").call_many(
+                self.client, [self._replay_call(request) for request in requests])
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"journal unavailable: {exc}") from exc
+        replays: list[Replay | StoreUnavailable] = []
+        copies = []
+        for request, answer in zip(requests, answers, strict=True):
+            if isinstance(answer, Exception):
+                replays.append(StoreUnavailable(f"journal refused the replay: {answer}"))
+                continue
+            replay = Replay(text(answer[0]) == "ok", text(answer[1]), text(answer[2]))
+            if replay:
+                copies.append(self.audit.global_copy(flatten(request.event)))
+            replays.append(replay)
+        with contextlib.suppress(redis.RedisError):
+            one_round_trip(self.client, copies)
+        return replays
+
+    def _replay_call(self, request: ReplayRequest) -> tuple[list[str], list[str | int]]:
+        ref = request.ref
+        return self._keys(ref), [
+            request.token,
+            f"{time.time():.6f}",
+            allowed_argument(request.allowed),
+            request.effect,
+            self.settings.journal_ttl,
+            self.settings.run_stream_maxlen,
+            ref.task_id,
+            "1" if request.refuse_late_outcome else "0",
+            "1" if request.lapsed_running_ok else "0",
+            *flatten(request.event),
+        ]
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """The arguments of one :meth:`Journal.replay`, for :meth:`Journal.replay_many`."""
+
+    ref: JournalRef
+    token: str
+    effect: str
+    allowed: frozenset[JournalState]
+    event: AuditEvent
+    refuse_late_outcome: bool
+    lapsed_running_ok: bool = False
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,43 @@ class LuaScript:
             return answer
         raise NoScriptError(f"script {self.name} could not be loaded")
 
+    def call_many(
+        self,
+        client: redis.Redis,
+        calls: Sequence[tuple[Sequence[KeyOrArg], Sequence[KeyOrArg]]],
+        also: Sequence[Command] = (),
+    ) -> list[Any]:
+        """Run the script once per ``(keys, args)``, all in one round trip, and
+        the commands ``also`` after them (best effort, as in :meth:`call_with`).
+
+        Each run stays atomic; nothing binds the runs together. The answers
+        come in order; a run's error is returned as its exception, not raised.
+        Connection errors raise: any of the runs may have happened.
+        """
+        if not calls:
+            return []
+        if isinstance(client, RedisCluster):
+            # A cluster pipeline refuses scripts: one round trip each there.
+            answers: list[Any] = []
+            for keys, args in calls:
+                try:
+                    answers.append(self(client, keys, args))
+                except redis.ResponseError as exc:
+                    answers.append(exc)
+            with contextlib.suppress(Exception):
+                one_round_trip(client, also)
+            return answers
+        commands: list[Command] = [("EVALSHA", self.sha, len(keys), *keys, *args)
+                                   for keys, args in calls]
+        answers = one_round_trip(client, [*commands, *also])[:len(commands)]
+        missing = [i for i, answer in enumerate(answers) if isinstance(answer, NoScriptError)]
+        if missing:
+            client.script_load(self.text)
+            for i, answer in zip(missing, one_round_trip(client, [commands[i] for i in missing]),
+                                 strict=True):
+                answers[i] = answer
+        return answers
+
     def __repr__(self) -> str:
         return f"LuaScript({self.name!r}, sha={self.sha[:12]})"
 
