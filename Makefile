@@ -38,4 +38,5 @@ lint: $(INSTALLED)
 
 # The benchmarks beside plain Celery (about 6 minutes; see bench/README.md).
 bench: $(INSTALLED)
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench

@@ -10,10 +10,14 @@ mean nothing.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -27,6 +31,7 @@ from .app import IDLE_QUEUE, LATENCY_QUEUE, VARIANTS, config
 from .calls import (
     ONE_REDIS,
     CountingClient,
+    Round,
     VariantFigures,
     latency_rounds,
     producer_app,
@@ -44,8 +49,14 @@ from .report import (
 from .servers import wait_ready, worker_environment, workers
 from .store_scale import Timed, audit_read, dead_letter_operations
 
+#: The peer row's database on the machine's PostgreSQL (trust authentication).
+DBOS_URL = "postgresql://postgres@127.0.0.1:5432/tooleffect_bench_dbos"
+#: Calls per throughput round of the peer row, at most (it is slower).
+DBOS_CALLS = 2000
+
 SMOKE = {
-    "rounds": 2, "calls": 100, "warmup": 20, "latency_rounds": 1, "latency_calls": 20,
+    "dbos": False, "rounds": 2, "calls": 100, "warmup": 20, "latency_rounds": 1,
+    "latency_calls": 20,
     "rt_small": 20, "rt_large": 60, "letters": 2000, "replay": 200, "small_letters": 100,
     "global_events": 5000, "run_events": 100,
 }
@@ -78,6 +89,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--no-appendonly", dest="appendonly", action="store_false",
         help="Run Redis without AOF (default: AOF, fsync every second).")
     add("--json", type=Path, help="Also write every figure to this JSON file.")
+    add("--dbos-url", default=DBOS_URL,
+        help="PostgreSQL database (created and dropped) of the DBOS Transact peer row.")
+    add("--no-dbos", dest="dbos", action="store_false",
+        help="Leave out the DBOS Transact peer row.")
     args = parser.parse_args(argv)
     if args.smoke:
         for name, value in SMOKE.items():
@@ -93,6 +108,40 @@ def counting_proxy(port: int) -> TcpProxy:
 
 def say(line: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def dbos_peer(args: argparse.Namespace) -> tuple[VariantFigures | None, str]:
+    """The DBOS Transact row (``bench/dbos_peer.py``, its own process), or None
+    and why it was left out."""
+    if not args.dbos:
+        return None, "left out (--no-dbos)"
+    if importlib.util.find_spec("dbos") is None:
+        return None, "skipped: dbos is not installed (pip install -e '.[bench]')"
+    address = sqlalchemy_address(args.dbos_url)
+    try:
+        socket.create_connection(address, timeout=2).close()
+    except OSError as exc:
+        return None, f"skipped: no PostgreSQL answers at {address[0]}:{address[1]} ({exc})"
+    calls = min(args.calls, DBOS_CALLS)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.dbos_peer", args.dbos_url, "--calls", str(calls),
+         "--rounds", str(args.rounds), "--warmup", str(min(args.warmup, calls)),
+         "--latency-calls", str(args.latency_calls), "--body-ms", repr(args.body_ms)],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the DBOS peer failed:\n{done.stderr[-3000:]}")
+    peer = json.loads(done.stdout.strip().splitlines()[-1])
+    figure = VariantFigures(f"DBOS Transact {peer['version']} step (PostgreSQL, queued)")
+    figure.rounds = [Round(figure.variant, calls, (calls - 1) / rate) for rate in peer["rounds"]]
+    figure.latencies_ms = list(peer["latencies_ms"])
+    return figure, f"{calls:,} calls per round"
+
+
+def sqlalchemy_address(url: str) -> tuple[str, int]:
+    """Host and port of a ``postgresql://`` URL."""
+    parsed = urllib.parse.urlsplit(url)
+    return parsed.hostname or "127.0.0.1", parsed.port or 5432
 
 
 def call_phases(args: argparse.Namespace, server: RedisServer, phases: set[str],
@@ -178,10 +227,15 @@ def main(argv: list[str] | None = None) -> int:
             figures = call_phases(args, server, phases, logdir)
         results["variants"] = {name: asdict(figure) for name, figure in figures.items()}
         if "calls" in phases:
+            peer, peer_note = dbos_peer(args)
+            say(f"DBOS Transact row: {peer_note}")
+            if peer is not None:
+                results["dbos"] = asdict(peer)
             sections.append(f"Throughput: median of {args.rounds} rounds of {args.calls:,} "
                             f"calls; latency: {args.latency_rounds} rounds of "
                             f"{args.latency_calls} calls, one at a time, publish to "
-                            f"date_done\n\n" + calls_table(figures)
+                            f"date_done. DBOS Transact row: {peer_note}\n\n"
+                            + calls_table(figures, peer)
                             + "\n\nCPU microseconds per call in the throughput rounds "
                             "(median; in brackets: more than the baseline)\n\n"
                             + cpu_table(figures))

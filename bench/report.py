@@ -37,10 +37,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def calls_table(figures: dict[str, VariantFigures]) -> str:
+def calls_table(figures: dict[str, VariantFigures], peer: VariantFigures | None = None) -> str:
+    """Throughput and latency of every variant, and of the ``peer`` row (DBOS)."""
     base = figures[BASELINE]
     rows = []
-    for variant, figure in figures.items():
+    for variant, figure in [*figures.items(), *([(peer.variant, peer)] if peer else [])]:
         rows.append([
             variant,
             f"{figure.throughput:,.0f}",
