@@ -6,8 +6,8 @@ as the throughput rounds run), one prefork worker of ``bench.app``
 every process of the worker with py-spy (``--subprocesses``, ``--idle`` off,
 100 samples a second) for ``--seconds``. Prints, per process kind (the main
 process, the pool processes), the share of samples whose stack holds each
-part (a sample counts for every part on its stack), then the leaf functions
-that take the most samples::
+part, the share under the package's code and the functions that take the
+most samples::
 
     python -m bench.profile --variant READ_ONLY --seconds 20
     python -m bench.profile --variant "NON_IDEMPOTENT_WRITE + deadline"
@@ -34,13 +34,13 @@ from .app import IDLE_QUEUE, VARIANTS
 from .calls import producer_app, publish
 from .servers import wait_ready, worker_environment, workers
 
-#: What a frame belongs to, by the path of its file (first match wins).
+#: What a frame belongs to, by the path py-spy prints (first match wins).
 PARTS = (
-    ("celery_tooleffect", "/celery_tooleffect/"),
-    ("redis-py", "/redis/"),
-    ("kombu", "/kombu/"),
-    ("billiard", "/billiard/"),
-    ("celery", "/celery/"),
+    ("celery_tooleffect", "(celery_tooleffect/"),
+    ("redis-py", "(redis/"),
+    ("kombu", "(kombu/"),
+    ("billiard", "(billiard/"),
+    ("celery", "(celery/"),
 )
 
 
@@ -49,37 +49,58 @@ def part_of(frame: str) -> str:
     for name, marker in PARTS:
         if marker in frame:
             return name
-    return "other"
+    return "other (standard library, json, ...)"
 
 
-def summarize(raw: Path, main_pid: int, top: int = 15) -> str:
-    """Shares by part and the hottest leaves, per process kind, from py-spy's
-    ``raw`` output (one line per distinct stack: ``frames;...;leaf count``)."""
+def summarize(raw: Path, top: int = 12) -> str:
+    """From py-spy's ``raw`` output (one line per distinct stack, ``frames;...;leaf
+    count``, each process's stack under ``process PID:...`` frames, a pool
+    process's under its parent's), per process kind: the share of samples
+    spent under the package's code (inclusive), the self time by part (the
+    part of the leaf frame), the package's functions by inclusive share, and
+    the hottest leaves."""
+    kinds = ("main", "pool")
     totals: Counter[str] = Counter()
-    parts: dict[str, Counter[str]] = {"main": Counter(), "pool": Counter()}
-    leaves: dict[str, Counter[str]] = {"main": Counter(), "pool": Counter()}
+    under_package: Counter[str] = Counter()
+    self_time: dict[str, Counter[str]] = {kind: Counter() for kind in kinds}
+    package: dict[str, Counter[str]] = {kind: Counter() for kind in kinds}
+    leaves: dict[str, Counter[str]] = {kind: Counter() for kind in kinds}
     for line in raw.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
         frames = stack.split(";")
-        # The first frame is the process: "process 123:\"celery ...\"".
-        kind = "main" if frames[0].startswith(f"process {main_pid}:") else "pool"
+        processes = [frame for frame in frames if frame.startswith("process ")]
+        frames = [frame for frame in frames if not frame.startswith("process ")]
+        if not frames:
+            continue
+        kind = "pool" if len(processes) > 1 else "main"
         count = int(count_text)
         totals[kind] += count
-        for part in {part_of(frame) for frame in frames[1:]}:
-            parts[kind][part] += count
+        ours = {frame.split(" (")[0] + " (" + frame.split(" (")[1].split(":")[0] + ")"
+                for frame in frames if "(celery_tooleffect/" in frame}
+        if ours:
+            under_package[kind] += count
+        for function in ours:
+            package[kind][function] += count
+        self_time[kind][part_of(frames[-1])] += count
         leaves[kind][frames[-1]] += count
     out = []
-    for kind in ("main", "pool"):
-        if not totals[kind]:
+    for kind in kinds:
+        total = totals[kind]
+        if not total:
             continue
-        out.append(f"{kind} process{'es' if kind == 'pool' else ''}: {totals[kind]} samples")
-        for part, count in parts[kind].most_common():
-            out.append(f"  {part:18} {100 * count / totals[kind]:5.1f} %")
+        out.append(f"{kind} process{'es' if kind == 'pool' else ''}: {total} samples, "
+                   f"{100 * under_package[kind] / total:.1f} % under celery_tooleffect")
+        out.append("  self time by part:")
+        for part, count in self_time[kind].most_common():
+            out.append(f"    {100 * count / total:5.1f} %  {part}")
+        out.append("  celery_tooleffect functions (inclusive):")
+        for function, count in package[kind].most_common(top):
+            out.append(f"    {100 * count / total:5.1f} %  {function}")
         out.append("  hottest leaves:")
         for leaf, count in leaves[kind].most_common(top):
-            out.append(f"    {100 * count / totals[kind]:5.1f} %  {leaf}")
+            out.append(f"    {100 * count / total:5.1f} %  {leaf}")
     return "\n".join(out)
 
 
@@ -123,10 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 stop.set()
                 feeder.join(30)
-            main_pid = started[0].process.pid
     print(f"py-spy of one worker under {args.variant} load for {args.seconds:g} s "
           f"(raw: {raw})\n")
-    print(summarize(raw, main_pid))
+    print(summarize(raw))
     return 0
 
 

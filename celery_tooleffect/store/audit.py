@@ -44,9 +44,19 @@ logger = logging.getLogger(__name__)
 MASK = "***"
 FULL_VALUE_LIMIT = 64 * 1024
 
+#: This process's identity, and the pid it was computed in (a forked pool
+#: process computes its own).
+_identity: tuple[int, str] = (0, "")
+
+
 def worker_identity() -> str:
-    """``hostname:pid`` of this process."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """``hostname:pid`` of this process (asked of the system once per process:
+    ``gethostname`` is a system call, and every event carries it)."""
+    global _identity
+    pid = os.getpid()
+    if _identity[0] != pid:
+        _identity = (pid, f"{socket.gethostname()}:{pid}")
+    return _identity[1]
 
 
 def _safe_text(value: Any, form: Any = repr) -> str:
