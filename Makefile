@@ -36,7 +36,7 @@ lint: $(INSTALLED)
 	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir /tmp/celery-tooleffect-site
 
-# The benchmarks beside plain Celery (about 6 minutes; see bench/README.md).
+# The benchmarks beside plain Celery (about 10 minutes; see bench/README.md).
 bench: $(INSTALLED)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench
