@@ -182,6 +182,10 @@ class ToolRequest(Request):  # type: ignore[misc]
     def on_timeout(self, soft: bool, timeout: float) -> Any:
         if soft or worker_state.should_terminate:
             return super().on_timeout(soft, timeout)
+        if self._tooleffect_done:
+            # billiard may report the killed job to on_failure (with
+            # TimeLimitExceeded) before it calls this: ended once already.
+            return None
         logger.error("Hard time limit (%ss) exceeded for %s[%s]", timeout, self.name, self.id)
         return self._on_interrupted(TimeLimitExceeded(timeout))
 
