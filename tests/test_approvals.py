@@ -115,7 +115,9 @@ def test_a_rejected_call_fails_runs_its_errback_and_stops_its_chain(
     assert counter.value(key) == 0 and counter.value(after) == 0  # nothing ran
     # The chain stopped: Celery's mark_as_failure marks its later tasks failed too.
     assert result.state == "FAILURE" and isinstance(result.result, ApprovalRejected)
-    assert Approvals(app).get(gated.id).state is ApprovalState.ENDED
+    # The worker stores the result (what get() waits for), then ends the record.
+    wait_for(lambda: Approvals(app).get(gated.id).state is ApprovalState.ENDED,  # type: ignore[union-attr]
+             timeout=30, what="the approval record to end")
     assert approval_events(app, gated.id) == [
         ("approval", "requested"), ("approval", "rejected"), ("outcome", "rejected")]
     assert DeadLetters(app).get(gated.id) is None  # a decision, not a failure to keep
@@ -134,7 +136,10 @@ def test_a_call_nobody_decides_expires(
     # The worker's sweep (every timeout/4 here, 1 s at least) rejects it as expired.
     with pytest.raises(ApprovalRejected, match="expired awaiting approval"):
         result.get(timeout=60)
-    approval = Approvals(app).get(result.id)
+    # The worker stores the result (what get() waits for), then ends the record.
+    approval = wait_for(lambda: (found := Approvals(app).get(result.id)) is not None
+                        and found.state is ApprovalState.ENDED and found,
+                        timeout=30, what="the approval record to end")
     assert approval.state is ApprovalState.ENDED
     assert approval.decided_by == "tooleffect" and "approval_timeout" in approval.reason
     assert counter.value(key) == 0
