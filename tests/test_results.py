@@ -65,10 +65,14 @@ class Monitor:
         self.commands: list[dict[str, Any]] = []
         self.client = redis.Redis.from_url(REDIS_URL)
         self.stop = threading.Event()
+        self.listening = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        # redis-py's Monitor.__enter__ sends MONITOR and reads its OK: from
+        # here on every command is seen.
         with self.client.monitor() as monitor:
+            self.listening.set()
             self.client.ping()
             while not self.stop.is_set():
                 command = monitor.next_command()
@@ -78,6 +82,8 @@ class Monitor:
 
     def __enter__(self) -> Monitor:
         self.thread.start()
+        # Not before MONITOR answered: a call made earlier would go unseen.
+        assert self.listening.wait(10), "MONITOR did not start"
         return self
 
     def __exit__(self, *exc: object) -> None:

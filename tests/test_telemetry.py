@@ -192,7 +192,12 @@ def test_a_dead_letter_and_its_replay_share_the_callers_trace(
         wait_for(lambda: DeadLetters(app).get(result.id), what="the dead letter")
         replayed = DeadLetterOperations(app).replay(result.id, actor="test")
         assert replayed.ok, replayed.message
-        assert result.get(timeout=30) == key
+        # The backend holds the dead letter's FAILURE until the replay's run
+        # stores SUCCESS (a fresh AsyncResult each time: get() would return the
+        # FAILURE at once if it read before the run).
+        wait_for(lambda: app.AsyncResult(result.id).state == "SUCCESS", timeout=30,
+                 what="the replay to succeed")
+        assert app.AsyncResult(result.id).get(timeout=30) == key
 
     spans = wait_for(lambda: [s for s in telemetry.tool_spans(result.id)
                               if attributes(s).get("tooleffect.outcome") == "succeeded"]
