@@ -161,30 +161,28 @@ def call_phases(args: argparse.Namespace, server: RedisServer, phases: set[str],
             latency_rounds(producer_app(prefix, server.url, with_results=True), figures,
                            rounds=args.latency_rounds, calls=args.latency_calls, progress=say)
     if "round-trips" in phases:
-        with counting_proxy(server.port) as broker, counting_proxy(server.port) as backend, \
-                counting_proxy(server.port) as store:
-            proxies = {"broker": broker, "backend": backend, "store": store}
-            environment = worker_environment(prefix, broker.url(), backend=backend.url(),
-                                             store=store.url(), prefetch=args.prefetch)
+        def count(proxies: dict[str, TcpProxy], one_redis: bool) -> None:
+            urls = {role: proxy.url() for role, proxy in proxies.items()}
+            environment = worker_environment(
+                prefix, urls.get("broker", urls.get(ONE_REDIS, "")),
+                backend=urls.get("backend", urls.get(ONE_REDIS)),
+                store=urls.get("store", urls.get(ONE_REDIS)), prefetch=args.prefetch)
             with workers(args.workers, args.concurrency, environment, logdir,
                          IDLE_QUEUE) as started:
                 wait_ready(quiet, started)
                 round_trip_counts(quiet, [worker.name for worker in started], prefix, poller,
                                   server.client(socket_timeout=60), proxies, figures,
-                                  small=args.rt_small, large=args.rt_large, progress=say)
+                                  small=args.rt_small, large=args.rt_large, progress=say,
+                                  one_redis=one_redis)
+
+        with counting_proxy(server.port) as broker, counting_proxy(server.port) as backend, \
+                counting_proxy(server.port) as store:
+            count({"broker": broker, "backend": backend, "store": store}, one_redis=False)
         # The common deployment: one Redis for all three, as the throughput
         # rounds run. The package then stores Celery's result and the broker
         # lease in its own scripts, so only the total can be counted.
         with counting_proxy(server.port) as one:
-            environment = worker_environment(prefix, one.url(), backend=one.url(),
-                                             store=one.url(), prefetch=args.prefetch)
-            with workers(args.workers, args.concurrency, environment, logdir,
-                         IDLE_QUEUE) as started:
-                wait_ready(quiet, started)
-                round_trip_counts(quiet, [worker.name for worker in started], prefix, poller,
-                                  server.client(socket_timeout=60), {ONE_REDIS: one}, figures,
-                                  small=args.rt_small, large=args.rt_large, progress=say,
-                                  one_redis=True)
+            count({ONE_REDIS: one}, one_redis=True)
     return figures
 
 

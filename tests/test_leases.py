@@ -25,6 +25,14 @@ from tests.conftest import Counter, WorkerProcess, running_worker, wait_for
 pytestmark = pytest.mark.timeout(180)
 
 
+def delivered(conn: Connection, name: str) -> Any:
+    """A message published to queue ``name`` and delivered (held unacknowledged)."""
+    queue = Queue(name, routing_key=name)
+    with conn.Producer() as producer:
+        producer.publish({"n": 1}, routing_key=name, declare=[queue])
+    return wait_for(lambda: conn.SimpleQueue(queue).get(timeout=1), what="a message")
+
+
 def test_extend_lease_answers_ok_busy_and_lost(
     make_app: Callable[..., Celery], main_redis: redis.Redis, prefix: str
 ) -> None:
@@ -33,10 +41,7 @@ def test_extend_lease_answers_ok_busy_and_lost(
     leases = Leases(runtime_for(app).settings)
     with Connection(app.conf.broker_url,
                     transport_options=app.conf.broker_transport_options) as conn:
-        queue = Queue("lease-test", routing_key="lease-test")
-        with conn.Producer() as producer:
-            producer.publish({"n": 1}, routing_key="lease-test", declare=[queue])
-        message = wait_for(lambda: conn.SimpleQueue(queue).get(timeout=1), what="a message")
+        message = delivered(conn, "lease-test")
         lease = leases.broker_lease(message.properties)
         assert lease is not None
         index = f"{prefix}unacked_index"
@@ -73,10 +78,7 @@ def test_the_intent_secures_the_lease_when_the_broker_is_the_store(
     assert not runtime_for(apart).leases.shares_the_store
     with Connection(app.conf.broker_url,
                     transport_options=app.conf.broker_transport_options) as conn:
-        queue = Queue("lease-intent", routing_key="lease-intent")
-        with conn.Producer() as producer:
-            producer.publish({"n": 1}, routing_key="lease-intent", declare=[queue])
-        message = wait_for(lambda: conn.SimpleQueue(queue).get(timeout=1), what="a message")
+        message = delivered(conn, "lease-intent")
         lease = runtime.leases.broker_lease(message.properties)
         assert lease is not None
         index = f"{prefix}unacked_index"

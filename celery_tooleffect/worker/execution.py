@@ -407,6 +407,10 @@ class Execution:
         }
         with_intent = plan.broker_lease if plan.lease_with_intent else None
         deadline_end = plan.deadline_end or 0.0
+        intent = attempt.context.event(
+            "intent", "started", payload={**self._payload(), **lease_note},
+            idempotency_key=attempt.idempotency_key,
+        )
         try:
             for _ in range(Leases.BUSY_RETRIES):
                 begin = runtime.journal.begin_attempt(
@@ -416,10 +420,7 @@ class Execution:
                     lease_end=plan.journal_lease_end,
                     attempts_allowed=self.policy.attempts_allowed,
                     resume_interrupted=resume,
-                    event=attempt.context.event(
-                        "intent", "started", payload={**self._payload(), **lease_note},
-                        idempotency_key=attempt.idempotency_key,
-                    ),
+                    event=intent,
                     broker_lease=with_intent,
                     broker_lease_end=deadline_end,
                 )

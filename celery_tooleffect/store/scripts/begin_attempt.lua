@@ -51,6 +51,21 @@ local owner_lease_end, pending_reason = tonumber(current[4] or '0'), current[5]
 if state == 'running' and owner == token then
   return {'started', attempt, 'same', current[6] or '0'}
 end
+
+-- The broker lease of a write with a deadline, before anything else is
+-- decided, as a separate extension before this script would do
+-- (extend_lease.lua, inlined: one round trip less when the broker is this
+-- Redis); a refused lease decides nothing and records nothing.
+if #KEYS >= 5 then
+  if redis.call('EXISTS', KEYS[4]) == 1 then
+    return {'lease_busy', attempt, ''}
+  end
+  if not redis.call('ZSCORE', KEYS[5], ARGV[9]) then
+    return {'lease_lost', attempt, ''}
+  end
+  redis.call('ZADD', KEYS[5], 'XX', 'GT', ARGV[10], ARGV[9])
+end
+
 if state == 'succeeded' then
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'duplicate_ignored', status = 'succeeded', attempt = attempt})
@@ -97,18 +112,6 @@ if attempt >= allowed then
   local ended = redis.call('HMGET', journal, 'ended_failed', 'ended_interrupted',
     'ended_requested')
   return {'exhausted', attempt, detail, ended[1] or '0', ended[2] or '0', ended[3] or '0'}
-end
-
--- The broker lease of a write with a deadline (extend_lease.lua, inlined:
--- one round trip less when the broker is this Redis).
-if #KEYS >= 5 then
-  if redis.call('EXISTS', KEYS[4]) == 1 then
-    return {'lease_busy', attempt, ''}
-  end
-  if not redis.call('ZSCORE', KEYS[5], ARGV[9]) then
-    return {'lease_lost', attempt, ''}
-  end
-  redis.call('ZADD', KEYS[5], 'XX', 'GT', ARGV[10], ARGV[9])
 end
 
 attempt = attempt + 1
