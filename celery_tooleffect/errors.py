@@ -9,6 +9,8 @@ wrong and what it means::
      +-- StoreUnavailable                the store did not answer or refused a write
      |    +-- IntentNotRecorded           ... so a write's body did not run
      |    +-- LeaseNotSecured             ... so a write with a deadline did not start
+     |    +-- IntentNotDurable            an intent was not replicated / fsynced as
+     |                                    tooleffect_store_replicas asks, so the body did not run
      +-- AuditPersistenceFailed          a write's outcome could not be recorded (UNKNOWN)
      +-- InterruptedWrite                a non-idempotent write started and never finished
      +-- TaskRevokedWhileRunning         revoke(terminate=True) stopped a running write
@@ -74,6 +76,17 @@ class StoreUnavailable(ToolEffectError):
 
 class IntentNotRecorded(StoreUnavailable):
     """The intent of a write could not be stored, so its body did not run."""
+
+
+class IntentNotDurable(StoreUnavailable):
+    """A write's intent was recorded on the primary but not acknowledged by the
+    replicas (``WAIT``) or fsynced (``WAITAOF``) as the settings ask: the body
+    did not run. ``attempt`` is the attempt the journal recorded (to be
+    settled by its owner)."""
+
+    def __init__(self, message: str, attempt: int = 0) -> None:
+        super().__init__(message)
+        self.attempt = attempt
 
 
 class LeaseNotSecured(StoreUnavailable):

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .endpoints import RedisEndpoint, is_redis_family, resolve
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 
 PREFIX = "tooleffect_"
 PRIVACY_LEVELS = ("metadata", "redacted", "full")
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://")
+#: The store of an app whose broker is not Redis (RabbitMQ) and that names none.
+DEFAULT_STORE_URL = "redis://127.0.0.1:6379/0"
 
 DEFAULTS: dict[str, Any] = {
     "tooleffect_redis_url": None,
@@ -38,6 +40,11 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_rabbitmq_consumer_timeout": 1800.0,
     "tooleffect_reconcile_timeout": 30.0,
     "tooleffect_approval_timeout": 24 * 3600.0,
+    "tooleffect_allow_eviction": False,
+    # None: 1 when the store is behind Sentinel (it fails over), else 0.
+    "tooleffect_store_replicas": None,
+    "tooleffect_store_fsync": False,
+    "tooleffect_store_wait_timeout": 1.0,
 }
 
 
@@ -71,6 +78,30 @@ class Settings:
     redis_cluster: bool = False
     #: Celery's ``task_default_queue``: the queue of a message that names none.
     default_queue: str = "celery"
+    #: Where the journal and audit (``redis_url``), the dead letters
+    #: (``dead_letter_url``) and, on a Redis broker, the broker's messages are.
+    store: RedisEndpoint | None = None
+    dead_letter_store: RedisEndpoint | None = None
+    broker_redis: RedisEndpoint | None = None
+    #: Start even on a store whose ``maxmemory-policy`` can evict the package's keys.
+    allow_eviction: bool = False
+    #: Replicas that must hold a write's intent before its body runs (``WAIT``),
+    #: and whether it must be fsynced to the store's AOF too (``WAITAOF``).
+    store_replicas: int = 0
+    store_fsync: bool = False
+    #: Seconds WAIT / WAITAOF may block before the intent counts as not durable.
+    store_wait_timeout: float = 1.0
+
+    @property
+    def store_endpoint(self) -> RedisEndpoint:
+        """:attr:`store`, resolved from :attr:`redis_url` for hand-made settings."""
+        return self.store or resolve(self.redis_url, setting="tooleffect_redis_url",
+                                     cluster=self.redis_cluster)
+
+    @property
+    def dead_letter_endpoint(self) -> RedisEndpoint:
+        """:attr:`dead_letter_store`, resolved from :attr:`dead_letter_url` likewise."""
+        return self.dead_letter_store or resolve(self.dead_letter_url, setting="broker_url")
 
     def backoff(self, retries: int) -> float:
         """Seconds to wait before retry number ``retries + 1``."""
@@ -124,10 +155,7 @@ def _read(app: Celery) -> Settings:
         return DEFAULTS[key] if value is None else value
 
     broker_url = str(conf.broker_url or app.connection_for_write().as_uri(include_password=True))
-    broker_is_redis = broker_url.startswith(REDIS_SCHEMES)
-    redis_url = get("tooleffect_redis_url") or (
-        broker_url if broker_is_redis else "redis://127.0.0.1:6379/0"
-    )
+    broker_is_redis = is_redis_family(broker_url)
     transport_options = dict(conf.broker_transport_options or {})
     redis_cluster = bool(get("tooleffect_redis_cluster"))
     if redis_cluster and not broker_is_redis:
@@ -142,13 +170,29 @@ def _read(app: Celery) -> Settings:
             "tooleffect_redis_cluster needs tooleffect_redis_url (a node of the cluster): "
             "the broker's Redis cannot be a cluster"
         )
+    broker_redis = resolve(broker_url, setting="broker_url", transport_options=transport_options,
+                           ssl=conf.broker_use_ssl) if broker_is_redis else None
+    named = conf.get("tooleffect_redis_url")
+    if named:
+        # A store of its own: its URL's TLS options, completed by the result
+        # backend's (Celery's redis_backend_use_ssl); behind Sentinel, the
+        # master name of its query or else the broker's transport options.
+        store = resolve(str(named), setting="tooleffect_redis_url",
+                        transport_options=transport_options,
+                        ssl=conf.get("redis_backend_use_ssl"), cluster=redis_cluster)
+    else:
+        # The store follows the broker (behind Sentinel: its current master);
+        # only a broker that is not Redis leaves it to the default server.
+        store = broker_redis or resolve(DEFAULT_STORE_URL, setting="tooleffect_redis_url")
+    redis_url = str(named or (broker_url if broker_redis else DEFAULT_STORE_URL))
+    replicas, fsync, wait_timeout = _durability(conf, get, store)
     privacy = str(get("tooleffect_privacy")).lower()
     if privacy not in PRIVACY_LEVELS:
         raise ConfigurationError(
             f"tooleffect_privacy must be one of {PRIVACY_LEVELS}, not {privacy!r}"
         )
     return Settings(
-        redis_url=str(redis_url),
+        redis_url=redis_url,
         broker_url=broker_url,
         dead_letter_url=broker_url if broker_is_redis else str(redis_url),
         key_prefix=str(get("tooleffect_key_prefix")),
@@ -173,4 +217,33 @@ def _read(app: Celery) -> Settings:
         broker_transport_options=transport_options,
         redis_cluster=redis_cluster,
         default_queue=str(conf.task_default_queue or "celery"),
+        store=store,
+        dead_letter_store=broker_redis or store,
+        broker_redis=broker_redis,
+        allow_eviction=bool(get("tooleffect_allow_eviction")),
+        store_replicas=replicas,
+        store_fsync=fsync,
+        store_wait_timeout=wait_timeout,
     )
+
+
+def _durability(conf: Any, get: Any, store: RedisEndpoint) -> tuple[int, bool, float]:
+    """``tooleffect_store_replicas``, ``_fsync`` and ``_wait_timeout``, checked."""
+    named = conf.get("tooleffect_store_replicas")
+    replicas = (1 if store.behind_sentinel else 0) if named is None else named
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ConfigurationError(
+            f"tooleffect_store_replicas must be a whole number of replicas (0 or more), "
+            f"not {replicas!r}")
+    fsync = bool(get("tooleffect_store_fsync"))
+    wait_timeout = float(get("tooleffect_store_wait_timeout"))
+    socket_timeout = float(get("tooleffect_socket_timeout"))
+    if (replicas or fsync) and not 0 < wait_timeout < socket_timeout:
+        raise ConfigurationError(
+            f"tooleffect_store_wait_timeout ({wait_timeout:g}s) must be above 0 and below "
+            f"tooleffect_socket_timeout ({socket_timeout:g}s): WAIT blocks the connection")
+    if (replicas or fsync) and store.cluster:
+        raise ConfigurationError(
+            "tooleffect_store_replicas and tooleffect_store_fsync are not supported on a "
+            "Redis Cluster store (tooleffect_redis_cluster)")
+    return replicas, fsync, wait_timeout

@@ -177,21 +177,28 @@ class RedisServer:
     process: subprocess.Popen[bytes] | None = None
     #: Seconds :meth:`start` waits for the server to answer.
     start_timeout: float = 15.0
+    #: The default user's password (``requirepass``, and ``masterauth`` for a
+    #: replica of a server with the same password); none when empty.
+    password: str = ""
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        credentials = f":{self.password}@" if self.password else ""
+        return f"redis://{credentials}127.0.0.1:{self.port}/0"
 
     def client(self, **options: Any) -> redis.Redis:
         """A client of this server (``socket_timeout`` 5 s unless given)."""
         options.setdefault("socket_timeout", 5)
+        options.setdefault("password", self.password or None)
         return redis.Redis(port=self.port, **options)
 
     def command(self) -> list[str]:
         persistence = (["--appendonly", "yes", "--appendfsync", "everysec"] if self.appendonly
                        else ["--appendonly", "no"])
+        auth = ["--requirepass", self.password, "--masterauth", self.password] if (
+            self.password) else []
         return [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--dir", self.workdir, *persistence, *self.args]
+                "--save", "", "--dir", self.workdir, *persistence, *auth, *self.args]
 
     def start(self) -> RedisServer:
         """Start the server and wait until it answers."""

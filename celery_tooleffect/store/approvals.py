@@ -33,7 +33,7 @@ from ..errors import StoreUnavailable
 from ..events import AuditEvent
 from ..settings import Settings
 from .audit import AuditLog, flatten, text
-from .connections import redis_client
+from .connections import client_for
 from .envelope import MessageEnvelope
 from .keys import Keys
 from .lua import script
@@ -144,8 +144,7 @@ class ApprovalStore:
 
     @property
     def client(self) -> redis.Redis:
-        return redis_client(self.settings.redis_url, self.settings.socket_timeout,
-                            cluster=self.settings.redis_cluster)
+        return client_for(self.settings.store_endpoint, self.settings.socket_timeout)
 
     def _keys(self, run_id: str, task_id: str) -> list[str]:
         return [self.keys.approval(run_id, task_id), self.keys.run_events(run_id),

@@ -32,7 +32,7 @@ import redis
 from ..effect import ToolEffect
 from ..events import AuditEvent
 from ..settings import Settings, settings_for
-from .connections import Command, one_round_trip, redis_client
+from .connections import Command, client_for, one_round_trip
 from .keys import Keys, unescape_hash_tag
 from .lua import KeyOrArg, script
 
@@ -217,8 +217,7 @@ class AuditLog:
 
     @property
     def client(self) -> redis.Redis:
-        return redis_client(self.settings.redis_url, self.settings.socket_timeout,
-                            cluster=self.settings.redis_cluster)
+        return client_for(self.settings.store_endpoint, self.settings.socket_timeout)
 
     def record_step(self, event: AuditEvent, result: StoredResult | None = None) -> bool:
         """Append ``event`` to its run's stream. Never raises; True if stored.

@@ -1,8 +1,8 @@
-"""Redis clients for the store and the dead letters, one set per process, and
-the one-write-many-replies call the hot path uses.
+"""Redis clients of the package, its own command packing, and the
+one-write-many-replies call the hot path uses.
 
-A client (and its connection pool) is never shared across a fork: the cache is
-keyed by process id, so a prefork child builds its own on first use.
+One client per process for each :class:`~celery_tooleffect.endpoints.RedisEndpoint`
+the package reaches (store, dead letters, broker leases).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import DataError, ResponseError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from ..endpoints import RedisEndpoint, resolve
 
 
 class _Packer:
@@ -33,83 +36,86 @@ class _Packer:
         return [pack([args])]
 
 
-_PACKER = _Packer()
+PACKER = _Packer()
 
 
-class _PackingConnection(redis.Connection):
+class PackingConnection(redis.Connection):
     """A connection that packs with :func:`pack` (for cluster nodes, which take a
     connection class rather than a packer)."""
 
     def _construct_command_packer(self, packer: Any) -> Any:
-        return _PACKER
-
-
-_lock = threading.Lock()
-_clients: dict[tuple[int, str, float, bool], redis.Redis] = {}
+        return PACKER
 
 
 def redis_client(url: str, socket_timeout: float, cluster: bool = False) -> redis.Redis:
-    """A process-local client for ``url`` that fails fast when Redis is away.
+    """The process-local client of the Redis ``url`` names, in any form
+    :func:`~celery_tooleffect.endpoints.resolve` accepts (a shorthand for
+    ``client_for(resolve(url))``, for tools and tests)."""
+    return client_for(resolve(url, setting="url", cluster=cluster), socket_timeout)
+
+
+_lock = threading.Lock()
+_clients: dict[tuple[int, RedisEndpoint, float], redis.Redis] = {}
+
+
+def client_for(endpoint: RedisEndpoint, socket_timeout: float) -> redis.Redis:
+    """A process-local client for ``endpoint`` that fails fast when Redis is away.
 
     Timeouts are short and there are no automatic retries: the package decides
     itself what a failed store call means (retry, fail closed, dead letter).
+    A client (and its pool) is never shared across a fork: the cache is keyed
+    by process id, so a prefork child builds its own on first use.
 
-    With ``cluster`` (the setting ``tooleffect_redis_cluster``) it is a
-    :class:`redis.cluster.RedisCluster` that discovers the cluster from the
-    node in ``url`` (``redis://`` or ``rediss://``, database 0). It offers the
-    commands the store uses with the same signatures; it still follows
-    ``MOVED``/``ASK`` redirections, but retries nothing else. Every script
-    touches the keys of one run only, which share a hash slot.
+    Behind Sentinel it is redis-py's ``Sentinel.master_for``: each new
+    connection asks the Sentinels for the master, and a connection to a
+    master that was demoted is dropped (redis-py's ``SentinelManagedConnection``
+    turns its READONLY answer into a ``ConnectionError``), so a failover costs
+    the calls in flight a ``connection`` failure, never a write on a replica.
+    A cluster is a :class:`redis.cluster.RedisCluster` found from the node; it
+    follows ``MOVED``/``ASK`` but retries nothing else.
     """
-    key = (os.getpid(), url, socket_timeout, cluster)
+    key = (os.getpid(), endpoint, socket_timeout)
     client = _clients.get(key)
     if client is None:
         with _lock:
             client = _clients.get(key)
             if client is None:
-                options: dict[str, Any] = {
-                    "socket_timeout": socket_timeout,
-                    "socket_connect_timeout": min(socket_timeout, 2.0),
-                    "retry": Retry(NoBackoff(), 0),
-                    "decode_responses": False,
-                    # Text that is not valid UTF-8 (a lone surrogate from a JSON
-                    # message) is stored escaped, never refused by the encoder.
-                    "encoding_errors": "backslashreplace",
-                }
-                if cluster:
-                    if url.startswith("redis://"):  # rediss:// picks its own class
-                        options["connection_class"] = _PackingConnection
-                    client = cast(redis.Redis, RedisCluster.from_url(url, **options))
-                else:
-                    client = redis.Redis.from_url(
-                        url, health_check_interval=30, retry_on_timeout=False,
-                        command_packer=_PACKER, **options,
-                    )
+                client = _build(endpoint, socket_timeout)
                 _clients[key] = client
     return client
 
 
-def server_identity(connection_kwargs: Any) -> tuple[Any, ...]:
-    """Which server, database and user a redis-py connection's keyword
-    arguments reach: two clients with the same identity may share a script.
-
-    The user counts too: a restricted ACL user may not touch every key."""
-    kwargs = connection_kwargs
-    return (kwargs.get("path") or kwargs.get("host") or "127.0.0.1",
-            int(kwargs.get("port") or 6379) if not kwargs.get("path") else 0,
-            int(kwargs.get("db") or 0), kwargs.get("username") or "default",
-            kwargs.get("password") or "")
-
-
-def url_identity(url: str) -> tuple[Any, ...] | None:
-    """:func:`server_identity` of a ``redis://``, ``rediss://`` or ``unix://``
-    URL; None for any other URL (a sentinel, another transport)."""
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        return None
-    try:
-        return server_identity(redis.ConnectionPool.from_url(url).connection_kwargs)
-    except (ValueError, TypeError):
-        return None
+def _build(endpoint: RedisEndpoint, socket_timeout: float) -> redis.Redis:
+    common: dict[str, Any] = {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": min(socket_timeout, 2.0),
+        "retry": Retry(NoBackoff(), 0),
+        # Text that is not valid UTF-8 (a lone surrogate from a JSON message)
+        # is stored escaped, never refused by the encoder.
+        "encoding_errors": "backslashreplace",
+    }
+    if endpoint.cluster:
+        if endpoint.url.startswith("redis://"):  # rediss:// picks its own class
+            common["connection_class"] = PackingConnection
+        return cast(redis.Redis, RedisCluster.from_url(endpoint.url, **common))
+    options = {**endpoint.options, **common}
+    options.update(health_check_interval=30, retry_on_timeout=False, command_packer=PACKER)
+    if endpoint.sentinels:
+        sentinel_kwargs = {"socket_timeout": socket_timeout,
+                           "socket_connect_timeout": min(socket_timeout, 2.0),
+                           **dict(endpoint.sentinel_kwargs)}
+        manager = Sentinel(  # type: ignore[no-untyped-call]
+            list(endpoint.sentinels), sentinel_kwargs=sentinel_kwargs,
+            min_other_sentinels=endpoint.min_other_sentinels)
+        return cast(redis.Redis, manager.master_for(  # type: ignore[no-untyped-call]
+            endpoint.master_name, redis_class=redis.Redis, **options))
+    if options.get("path"):
+        options["connection_class"] = redis.UnixDomainSocketConnection
+        for tcp_only in ("socket_connect_timeout", "ssl"):
+            options.pop(tcp_only, None)
+    elif options.pop("ssl", False):
+        options["connection_class"] = redis.SSLConnection
+    return redis.Redis(connection_pool=redis.ConnectionPool(**options))
 
 
 #: One Redis command as it goes on the wire: its name, then its arguments.

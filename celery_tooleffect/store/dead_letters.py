@@ -39,7 +39,7 @@ from ..choices import Choice
 from ..errors import StoreUnavailable
 from ..settings import Settings, settings_for
 from ..store.audit import text
-from ..store.connections import one_round_trip, redis_client
+from ..store.connections import client_for, one_round_trip
 from ..store.envelope import MessageEnvelope
 from ..store.keys import Keys
 from ..store.lua import KeyOrArg, script
@@ -207,7 +207,7 @@ class DeadLetters:
 
     @property
     def client(self) -> redis.Redis:
-        return redis_client(self.settings.dead_letter_url, self.settings.socket_timeout)
+        return client_for(self.settings.dead_letter_endpoint, self.settings.socket_timeout)
 
     def store(self, letter: DeadLetter) -> bool:
         """Store ``letter``; True if stored now, False if the task already was one.

@@ -11,21 +11,25 @@ Its states and allowed moves are :mod:`celery_tooleffect.store.states`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
 
-from ..errors import StoreUnavailable
+from ..errors import IntentNotDurable, StoreUnavailable
 from ..events import AuditEvent
 from ..settings import Settings
 from .audit import AuditLog, StoredResult, flatten, text
 from .connections import one_round_trip
+from .durability import Durability
 from .keys import Keys
 from .leases import BrokerLease
 from .lua import script
 from .states import Ending, JournalState, Verdict, allowed_argument
+
+logger = logging.getLogger(__name__)
 
 #: Errors after which a script may have run on the server with its answer lost
 #: (a cut connection, a timeout): an ambiguous outcome, not a refusal.
@@ -81,6 +85,8 @@ class Journal:
         self.settings = settings
         self.audit = audit
         self.keys = Keys(settings.key_prefix)
+        #: What every journal write waits for (None: nothing; see durability.py).
+        self.durability = Durability.of(settings)
 
     @property
     def client(self) -> redis.Redis:
@@ -138,21 +144,27 @@ class Journal:
             *flatten(event),
         ]
         begin = script("begin_attempt")
+        # The package's own packing, one write and one read (redis-py's command
+        # path costs more CPU than the round trip); WAIT rides along.
+        waits = [self.durability.command] if self.durability is not None else []
         try:
             try:
-                # call_with: the package's own packing, one write and one read
-                # (redis-py's command path costs more CPU than the round trip).
-                answer = begin.call_with(self.client, keys, args, also=())
+                replies = begin.call_then(self.client, keys, args, waits)
             except AMBIGUOUS:
                 # The script may have run and only its answer been lost. Sent
                 # again under the same token it answers 'started' for the
                 # intent it recorded, instead of the next delivery finding an
                 # intent nobody owns (a non-idempotent write would then be
                 # dead-lettered without ever having run).
-                answer = begin.call_with(self.client, keys, args, also=())
+                replies = begin.call_then(self.client, keys, args, waits)
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
+        answer = replies[0]
         verdict, attempt, detail = answer[:3]
+        if self.durability is not None and text(verdict) == Verdict.STARTED.value:
+            short = self.durability.shortfall(replies[1])
+            if short is not None:
+                raise IntentNotDurable(f"intent not durable: {short}", int(attempt))
         endings = None
         if len(answer) == 6:
             endings = {ending: int(count) for ending, count in zip(Ending, answer[3:], strict=True)}
@@ -205,8 +217,10 @@ class Journal:
         if record_late:
             copies.append(self.audit.global_copy(event_fields))
 
+        # The outcome waits for its replicas before the message is acknowledged.
+        waits = [self.durability.command] if self.durability is not None else []
         try:
-            answer = script("transition").call_with(
+            replies = script("transition").call_then(
                 self.client,
                 [*self._keys(ref), *([result.key] if result is not None else [])],
                 [
@@ -224,8 +238,9 @@ class Journal:
                     *journal_fields,
                     *event_fields,
                 ],
-                also=copies,
+                [*waits, *copies],
             )
+            answer = replies[0]
         except AMBIGUOUS as exc:
             # The answer was lost: the script may have run. It did if the entry
             # is in the new state with this call's exact ``updated_at``.
@@ -235,6 +250,15 @@ class Journal:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
         moved = answer[0] == b"ok"
+        if moved and waits and len(replies) > 1:
+            short = self.durability.shortfall(replies[1]) if self.durability else None
+            if short is not None:
+                # Recorded on the primary; a failover now may lose it. The call
+                # still ends as recorded: its intent was durable, so a redelivery
+                # that finds no outcome dead-letters a non-idempotent write
+                # (never runs it twice) and runs an idempotent one again.
+                logger.warning("journal %s of task %s (run %s) is not durable: %s",
+                               new_state.value, ref.task_id, ref.run_id, short)
         if moved and not record_late:
             self.audit.copy_to_global(event)
         return Transition(moved, text(answer[1]))

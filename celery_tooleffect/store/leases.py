@@ -28,7 +28,7 @@ import redis
 
 from ..choices import Choice
 from ..settings import Settings
-from ..store.connections import redis_client, url_identity
+from ..store.connections import client_for
 from ..store.lua import script
 
 logger = logging.getLogger(__name__)
@@ -86,14 +86,18 @@ class Leases:
         user, no cluster): a broker lease can then be secured by the store's
         own scripts, in the round trip of the intent."""
         settings = self.settings
-        if not self.supported or settings.redis_cluster or ";" in settings.broker_url:
+        # A failover list's leases and records are both on its first server,
+        # but kombu may have moved the broker on: a separate lease call then.
+        broker = settings.broker_redis
+        if broker is None or settings.redis_cluster or (
+                ";" in settings.broker_url and not broker.behind_sentinel):
             return False
-        broker = url_identity(settings.broker_url)
-        return broker is not None and broker == url_identity(settings.redis_url)
+        return broker.identity() == settings.store_endpoint.identity()
 
     @property
     def client(self) -> redis.Redis:
-        return redis_client(self.settings.broker_url, self.settings.socket_timeout)
+        assert self.settings.broker_redis is not None, "leases need a Redis broker"
+        return client_for(self.settings.broker_redis, self.settings.socket_timeout)
 
     def broker_lease(self, properties: Mapping[str, Any] | None) -> BrokerLease | None:
         """The lease of the message with these properties; None without one."""

@@ -53,23 +53,43 @@ class LuaScript:
         even when the script fails (a second time when the script had to be
         loaded first). Connection errors raise as usual.
         """
+        return self.call_then(client, keys, args, also)[0]
+
+    def call_then(
+        self,
+        client: redis.Redis,
+        keys: Sequence[KeyOrArg],
+        args: Sequence[KeyOrArg],
+        then: Sequence[Command],
+    ) -> list[Any]:
+        """Run the script, then the commands ``then`` on the same connection, in
+        one round trip: the script's answer and their replies (an error reply
+        of theirs returned, not raised), from the run in which the script ran.
+
+        For a command that must follow the script's write on its connection:
+        ``WAIT`` counts the replicas that hold this connection's writes. On a
+        cluster, two round trips: a cluster pipeline refuses scripts (and the
+        other commands may be on another node anyway); the settings refuse
+        WAIT there.
+        """
         if isinstance(client, RedisCluster):
-            # A cluster pipeline refuses scripts (and the other commands may be
-            # on another node anyway): two round trips there.
+            replies: list[Any] = []
             try:
-                return self(client, keys, args)
+                answer = self(client, keys, args)
             finally:
                 with contextlib.suppress(Exception):
-                    one_round_trip(client, also)
-        commands: list[Command] = [("EVALSHA", self.sha, len(keys), *keys, *args), *also]
+                    replies = one_round_trip(client, then)
+            return [answer, *replies]
+        commands: list[Command] = [("EVALSHA", self.sha, len(keys), *keys, *args), *then]
         for _ in range(2):
-            answer = one_round_trip(client, commands)[0]
+            replies = one_round_trip(client, commands)
+            answer = replies[0]
             if isinstance(answer, NoScriptError):
                 client.script_load(self.text)
                 continue
             if isinstance(answer, Exception):
                 raise answer
-            return answer
+            return replies
         raise NoScriptError(f"script {self.name} could not be loaded")
 
     def call_many(

@@ -39,6 +39,7 @@ from ..errors import (
     AttemptInProgress,
     AuditPersistenceFailed,
     EffectRelabelRefused,
+    IntentNotDurable,
     IntentNotRecorded,
     InterruptedWrite,
     LeaseLost,
@@ -429,6 +430,16 @@ class Execution:
                 if begin.verdict is not Verdict.LEASE_BUSY:
                     break
                 time.sleep(Leases.BUSY_WAIT)
+        except IntentNotDurable as not_durable:
+            # The intent is on the primary only: the body must not run over it.
+            # The attempt is ours: it ends as a failure before the body (so a
+            # retry may begin again), counted against the retry budget.
+            logger.warning("%s not run: %s", self.label, not_durable)
+            raise self._after_failure(
+                IntentNotDurable(f"{self.label} not run: {not_durable}"),
+                FailureClass.CONNECTION, not_durable.attempt, body_started=False,
+                intent_recorded=True,
+            )
         except StoreUnavailable as store_down:
             failed = IntentNotRecorded(
                 f"{self.label} not run: its intent could not be recorded: {store_down}"
@@ -552,11 +563,15 @@ class Execution:
         number: int,
         *,
         body_started: bool = True,
+        intent_recorded: bool = False,
         duration_ms: float | None = None,
     ) -> BaseException:
-        """Retry, dead-letter or (interactive) re-raise ``exc``: the exception to raise."""
+        """Retry, dead-letter or (interactive) re-raise ``exc``: the exception to raise.
+
+        ``intent_recorded``: the body did not start, but this attempt's intent
+        is in the journal (not durable enough to run over), so it is settled."""
         attempt = self.attempt
-        journalled = attempt.effect.is_write and body_started
+        journalled = attempt.effect.is_write and (body_started or intent_recorded)
         outcome = attempt.context.event(
             "outcome", "failed", attempt=number, duration_ms=duration_ms, exception=exc,
             failure_class=failure_class.value, payload=self._payload(error=exc),

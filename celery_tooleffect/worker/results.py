@@ -26,8 +26,8 @@ from typing import Any
 from celery import states as celery_states
 from celery.app.task import get_actual_ignore_result
 
+from ..endpoints import server_identity
 from ..store.audit import StoredResult
-from ..store.connections import server_identity
 from ..store.runtime import ToolRuntime
 
 _same: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
@@ -45,8 +45,9 @@ def backend_is_the_store(backend: Any, runtime: ToolRuntime) -> bool:
 
         if (isinstance(backend, RedisBackend) and type(backend).__name__ == "RedisBackend"
                 and not runtime.settings.redis_cluster):
-            store = runtime.audit.client.connection_pool.connection_kwargs
-            same = server_identity(backend.connparams) == server_identity(store)
+            store = runtime.settings.store_endpoint
+            same = (not store.behind_sentinel
+                    and server_identity(backend.connparams) == store.identity())
     except Exception:
         same = False
     _same[backend] = same

@@ -24,7 +24,16 @@ error; one that only weakens it is warned about loudly:
 - a prefetch multiplier above 1 is reported (1 is recommended for tool queues:
   prefetched messages wait with their visibility timeout already running);
 - a store (or a broker holding dead letters) that persists nothing is warned
-  about: a journal that vanishes on restart cannot prevent a second execution.
+  about: a journal that vanishes on restart cannot prevent a second execution;
+- a store (or dead-letter store) whose ``maxmemory-policy`` can evict the
+  package's keys while ``maxmemory`` is set is refused
+  (``tooleffect_allow_eviction`` makes it a warning); see
+  :mod:`celery_tooleffect.worker.eviction`, which also watches evictions while
+  the worker runs;
+- behind Sentinel, a master name the Sentinels do not know, and replicas or
+  fsync asked for (``tooleffect_store_replicas``, ``tooleffect_store_fsync``)
+  that the store cannot give, are refused; a store with replicas and no
+  ``WAIT`` is warned about (:mod:`celery_tooleffect.worker.replication`).
 """
 
 from __future__ import annotations
@@ -36,8 +45,11 @@ from celery import bootsteps
 
 from ..errors import ConfigurationError
 from ..settings import Settings, settings_for
-from ..store.connections import redis_client
+from ..store.connections import client_for
+from ..store.runtime import runtime_for
+from .eviction import EvictionWatch, eviction_check
 from .heartbeat import heartbeat_interval
+from .replication import durability_check
 from .retries import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -95,16 +107,17 @@ def autoretry_errors(app: Any, settings: Settings) -> list[str]:
 def persistence_warnings(settings: Settings) -> list[str]:
     """Redis servers the guarantees rely on that keep nothing on disk."""
     consequence = "the journal is gone and an interrupted write could run again"
-    urls = {settings.redis_url: ("the journal and audit store", consequence)}
-    urls.setdefault(settings.dead_letter_url, (
+    stores = {settings.store_endpoint: ("the journal and audit store", consequence)}
+    stores.setdefault(settings.dead_letter_endpoint, (
         "the dead-letter store",
         "dead letters are gone and their tasks cannot be replayed or inspected",
     ))
     warnings = []
-    for url, (role, lost) in urls.items():
+    for store, (role, lost) in stores.items():
         try:
-            config = redis_client(url, settings.socket_timeout).config_get("appendonly")
-            config.update(redis_client(url, settings.socket_timeout).config_get("save"))
+            client = client_for(store, settings.socket_timeout)
+            config = client.config_get("appendonly")
+            config.update(client.config_get("save"))
         except Exception as exc:  # CONFIG may be renamed or denied: say so, go on
             warnings.append(f"could not check whether {role} persists ({exc})")
             continue
@@ -112,7 +125,7 @@ def persistence_warnings(settings: Settings) -> list[str]:
         snapshots = bool(str(config.get("save", "")).strip())
         if not (appendonly or snapshots):
             warnings.append(
-                f"{role} ({url.split('@')[-1]}) persists nothing (no AOF, no RDB snapshots): "
+                f"{role} ({store.describe()}) persists nothing (no AOF, no RDB snapshots): "
                 f"after a restart {lost}"
             )
     return warnings
@@ -124,6 +137,14 @@ def run_checks(app: Any) -> None:
     errors = configuration_errors(app, settings)
     if errors:
         raise ConfigurationError("celery-tooleffect: " + "; ".join(errors))
+    runtime = runtime_for(app)
+    refusals, store_warnings = durability_check(runtime)
+    evictions, eviction_warnings = eviction_check(runtime)
+    refusals += evictions
+    if refusals:
+        raise ConfigurationError("celery-tooleffect: " + "; ".join(refusals))
+    for warning in [*store_warnings, *eviction_warnings]:
+        logger.warning("celery-tooleffect: %s", warning)
     if not settings.broker_is_redis:
         interval = heartbeat_interval(settings, None)
         logger.warning(
@@ -164,5 +185,8 @@ class StartupChecks(bootsteps.Step):  # type: ignore[misc]
 
 
 def install_startup_checks(app: Any) -> None:
-    """Add :class:`StartupChecks` to the app's worker steps (idempotent)."""
+    """Add :class:`StartupChecks` and the eviction watch
+    (:class:`~celery_tooleffect.worker.eviction.EvictionWatch`) to the app's worker
+    steps (idempotent)."""
     app.steps["worker"].add(StartupChecks)
+    app.steps["worker"].add(EvictionWatch)
