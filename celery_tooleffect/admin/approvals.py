@@ -15,12 +15,11 @@ from __future__ import annotations
 import builtins
 from typing import TYPE_CHECKING, Any
 
-from ..errors import StoreUnavailable
 from ..store.approvals import Approval
 from ..store.runtime import runtime_for
 from ..store.states import ApprovalState
 from ..worker.approvals import decide, expire_overdue
-from .operations import ActionResult, Outcome, default_actor
+from .operations import STORE_ERRORS, ActionResult, Outcome, default_actor
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -115,7 +114,7 @@ class Approvals:
                     approval.name, approval.effect, approval.queue,
                 )
             move = decide(self.app, approval, state, by=actor, reason=reason, via=via)
-        except StoreUnavailable as exc:
+        except STORE_ERRORS as exc:
             return ActionResult(task_id, verb, Outcome.FAILED, f"{task_id}: {exc}")
         except Exception as exc:  # publishing failed: the decision stands, listed
             return ActionResult(

@@ -25,11 +25,16 @@ Filters (``list``, and ``replay``/``purge`` with ``--all``): ``--queue``,
 only ever the operator's why, written in the audit event of a replay or purge.
 
 Exit codes: 0 done; 1 refused, not found, or the store could not be reached;
-2 usage error (click's own). Human output is an aligned table no wider than
-the terminal; ``--json`` output is stable and documented in the README. Who
-acts is ``$TOOLEFFECT_ACTOR``, else ``user@host``; it is written in the audit
-event of every replay and purge, and of every approval decision (``--by``
-names someone else).
+2 usage error (click's own). A store that is down or refuses, a broker that is
+down, or invalid settings end any command with one line on stderr (which
+store, its URL without password, and the error) and exit code 1, never a
+traceback: every command is a :class:`StoreCommand`.
+
+Human output is an aligned table no wider than the terminal; ``--json``
+output is stable and documented in the README. Who acts is
+``$TOOLEFFECT_ACTOR``, else ``user@host``; it is written in the audit event of
+every replay and purge, and of every approval decision (``--by`` names
+someone else).
 
 This module is imported by every ``celery`` command (through the entry
 point), so it imports the rest of the package only when a command runs.
@@ -53,6 +58,7 @@ if TYPE_CHECKING:
     from ..admin.approvals import Approvals
     from ..admin.operations import ActionResult, DeadLetterOperations
     from ..store.dead_letters import DeadLetter, DeadLetterQuery
+    from ..store.runtime import ToolRuntime
 
 EXIT_REFUSED = 1
 
@@ -103,10 +109,23 @@ def _app(ctx: click.Context) -> Celery:
     return app
 
 
+def _runtime(ctx: click.Context) -> ToolRuntime:
+    """The app's runtime, once each store the command needs answers a PING (else
+    one line that names the store, and exit code 1)."""
+    from ..admin.operations import store_problem
+    from ..store.runtime import runtime_for
+
+    runtime = runtime_for(_app(ctx))
+    problem = store_problem(runtime, getattr(ctx.command, "needs", ()))
+    if problem:
+        _fail(problem)
+    return runtime
+
+
 def _operations(ctx: click.Context) -> DeadLetterOperations:
     from ..admin.operations import DeadLetterOperations
 
-    return DeadLetterOperations(_app(ctx))
+    return DeadLetterOperations(_app(ctx), _runtime(ctx))
 
 
 def _fail(message: str) -> NoReturn:
@@ -126,18 +145,54 @@ def _when(timestamp: float | str | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%SZ")
 
 
-def _store_errors() -> tuple[type[BaseException], ...]:
-    import redis
+# -- the commands --------------------------------------------------------------------
 
-    from ..errors import StoreUnavailable
+#: The stores a command needs (``needs``): the names of
+#: :data:`celery_tooleffect.admin.operations.STORE` and ``DEAD_LETTER_STORE``,
+#: spelled out since this module imports the package only when a command runs.
+STORE = ("store",)
+DEAD_LETTERS = ("dead-letter store",)
+BOTH = STORE + DEAD_LETTERS
 
-    return (StoreUnavailable, redis.RedisError)
+
+class StoreCommand(click.Command):
+    """A command that ends with one line on stderr and exit code 1, never a
+    traceback, when a store it needs is down or refuses, the broker is down, or
+    the app's settings are invalid (the line says which, see
+    :func:`~celery_tooleffect.admin.operations.explain`).
+
+    ``needs``: the stores it uses (:data:`STORE`, :data:`DEAD_LETTERS`). Each is
+    PINGed when the command first reaches for the store (after its usage checks),
+    so a store that is away is named before anything is done, not once per task.
+    """
+
+    def __init__(self, *args: Any, needs: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.needs = needs
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            from ..admin.operations import explain
+
+            problem = explain(_app(ctx), exc, self.needs or BOTH)
+            if problem is None:
+                raise
+            _fail(problem)
+
+
+class _Group(click.Group):
+    """A group whose commands are :class:`StoreCommand` (and sub-groups, such groups)."""
+
+    command_class = StoreCommand
+    group_class = type
 
 
 # -- the group ---------------------------------------------------------------------
 
 
-@click.group(name="tooleffect")
+@click.group(name="tooleffect", cls=_Group)
 def tooleffect() -> None:
     """celery-tooleffect: dead letters, approvals, audit trails, Flower with a Dead letters page."""
 
@@ -179,7 +234,7 @@ def _refuse_reason_filter(ctx: click.Context, param: click.Parameter, value: Any
         )
 
 
-@dlq.command("list")
+@dlq.command("list", needs=DEAD_LETTERS)
 @_filters
 @click.option("--reason", hidden=True, expose_value=False, callback=_refuse_reason_filter)
 @click.option("--limit", "-n", type=click.IntRange(1, 1000), default=50, show_default=True,
@@ -195,18 +250,14 @@ def dlq_list(ctx: click.Context, queue: str | None, dead_letter_reason: str | No
     from ..admin.operations import letter_summary
     from ..store.dead_letters import Cursor
 
-    operations = _operations(ctx)
     try:
         before = Cursor.decode(cursor) if cursor else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--cursor") from None
-    try:
-        page = operations.runtime.dead_letters.page(
-            _query(queue, dead_letter_reason, failure_class, effect), limit=limit,
-            before=before,
-        )
-    except _store_errors() as exc:
-        _fail(f"dead letters unavailable: {exc}")
+    operations = _operations(ctx)
+    page = operations.runtime.dead_letters.page(
+        _query(queue, dead_letter_reason, failure_class, effect), limit=limit, before=before,
+    )
     privacy = operations.privacy
     next_cursor = page.next_cursor.encode() if page.next_cursor else None
     if as_json:
@@ -248,17 +299,13 @@ def _exception(letter: DeadLetter) -> str:
     return f"{text} ({', '.join(marks)})" if marks else text
 
 
-@dlq.command("show")
+@dlq.command("show", needs=DEAD_LETTERS)
 @click.argument("task_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
 @click.pass_context
 def dlq_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Show one dead letter in full: envelope, journal, and whether it may be replayed."""
-    operations = _operations(ctx)
-    try:
-        detail = operations.detail(task_id)
-    except _store_errors() as exc:
-        _fail(f"dead letters unavailable: {exc}")
+    detail = _operations(ctx).detail(task_id)
     if detail is None:
         _fail(f"{task_id}: no such dead letter")
     if as_json:
@@ -325,7 +372,7 @@ def _journal_line(journal: Mapping[str, str] | None) -> str:
     return " ".join(parts)
 
 
-@dlq.command("replay")
+@dlq.command("replay", needs=BOTH)
 @click.argument("task_ids", nargs=-1)
 @click.option("--all", "replay_all", is_flag=True,
               help="Every dead letter matching the filters (READ_ONLY and IDEMPOTENT_WRITE "
@@ -360,7 +407,7 @@ def dlq_replay(ctx: click.Context, task_ids: tuple[str, ...], replay_all: bool,
     _report(results, as_json, "replayed")
 
 
-@dlq.command("purge")
+@dlq.command("purge", needs=BOTH)
 @click.argument("task_ids", nargs=-1)
 @click.option("--all", "purge_all", is_flag=True,
               help="Every dead letter matching the filters and --older-than.")
@@ -392,10 +439,7 @@ def dlq_purge(ctx: click.Context, task_ids: tuple[str, ...], purge_all: bool,
     if purge_all:
         assert older_than is not None
         query = _query(queue, dead_letter_reason, failure_class, effect)
-        try:
-            count = operations.count_matching(query, older_than=older_than)
-        except _store_errors() as exc:
-            _fail(f"dead letters unavailable: {exc}")
+        count = operations.count_matching(query, older_than=older_than)
         if count == 0:
             if as_json:
                 _report([], True, "purged")
@@ -412,7 +456,7 @@ def dlq_purge(ctx: click.Context, task_ids: tuple[str, ...], purge_all: bool,
     _report(results, as_json, "purged")
 
 
-@dlq.command("reconcile")
+@dlq.command("reconcile", needs=BOTH)
 @click.argument("task_ids", nargs=-1)
 @click.option("--all", "reconcile_all", is_flag=True,
               help="Every dead letter matching the filters (those that cannot be "
@@ -483,17 +527,13 @@ def _report(results: Iterable[ActionResult], as_json: bool, done_word: str) -> N
         sys.exit(EXIT_REFUSED)
 
 
-@dlq.command("stats")
+@dlq.command("stats", needs=DEAD_LETTERS)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
 @click.pass_context
 def dlq_stats(ctx: click.Context, as_json: bool) -> None:
     """Count dead letters by queue, reason, failure class and effect (from index sizes),
     and of each combination of the four (``queue/reason/failure class/effect``)."""
-    operations = _operations(ctx)
-    try:
-        stats = operations.stats()
-    except _store_errors() as exc:
-        _fail(f"dead letters unavailable: {exc}")
+    stats = _operations(ctx).stats()
     if as_json:
         _echo_json(stats.to_dict())
         return
@@ -529,15 +569,8 @@ def approvals() -> None:
 def _approvals(ctx: click.Context) -> Approvals:
     from ..admin.approvals import Approvals
 
+    _runtime(ctx)
     return Approvals(_app(ctx))
-
-
-def _approval_errors() -> tuple[type[BaseException], ...]:
-    """What reading approvals may raise: the store's errors, and the broker's
-    (a listing publishes the decisions of calls it expires)."""
-    from kombu.exceptions import OperationalError
-
-    return (*_store_errors(), OperationalError, OSError)
 
 
 def _age(requested_at: float, now: float) -> str:
@@ -557,7 +590,7 @@ def _arguments(arguments: Mapping[str, str]) -> str:
     return " ".join(f"{name}={value}" for name, value in arguments.items()) or "-"
 
 
-@approvals.command("list")
+@approvals.command("list", needs=STORE)
 @click.option("--queue", "-Q", metavar="QUEUE", help="Only this queue.")
 @click.option("--tool", "-t", metavar="NAME", help="Only this tool (task name).")
 @click.option("--state", "-s", type=click.Choice(_APPROVAL_STATES),
@@ -573,11 +606,8 @@ def approvals_list(ctx: click.Context, queue: str | None, tool: str | None,
     """List calls waiting for approval (and decided ones not yet published), oldest first."""
     import time
 
-    try:
-        found = _approvals(ctx).list(queue=queue or None, tool=tool or None,
-                                     state=state or None, limit=limit, offset=offset)
-    except _approval_errors() as exc:
-        _fail(f"approvals unavailable: {exc}")
+    found = _approvals(ctx).list(queue=queue or None, tool=tool or None,
+                                 state=state or None, limit=limit, offset=offset)
     if as_json:
         _echo_json({"approvals": [approval.to_dict() for approval in found],
                     "count": len(found)})
@@ -604,7 +634,7 @@ def approvals_list(ctx: click.Context, queue: str | None, tool: str | None,
     click.echo(shown)
 
 
-@approvals.command("show")
+@approvals.command("show", needs=STORE)
 @click.argument("task_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the documentation).")
 @click.pass_context
@@ -612,10 +642,7 @@ def approvals_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Show one call's approval record in full, pending or decided."""
     import time
 
-    try:
-        approval = _approvals(ctx).get(task_id)
-    except _approval_errors() as exc:
-        _fail(f"approvals unavailable: {exc}")
+    approval = _approvals(ctx).get(task_id)
     if approval is None:
         _fail(f"{task_id}: no such approval (the call never waited for one, "
               "or its record expired)")
@@ -676,7 +703,7 @@ def _decide(ctx: click.Context, task_ids: tuple[str, ...], approve: bool, by: st
     _report(results, as_json, "approved" if approve else "rejected")
 
 
-@approvals.command("approve")
+@approvals.command("approve", needs=STORE)
 @click.argument("task_ids", nargs=-1)
 @click.option("--reason", "why", default="", help="Why: written in the audit event.")
 @_decision_options
@@ -687,7 +714,7 @@ def approvals_approve(ctx: click.Context, task_ids: tuple[str, ...], why: str,
     _decide(ctx, task_ids, True, by, why, as_json)
 
 
-@approvals.command("reject")
+@approvals.command("reject", needs=STORE)
 @click.argument("task_ids", nargs=-1)
 @click.option("--reason", "why", required=True,
               help="Why (required): written in the audit event and the call's error.")
@@ -701,15 +728,12 @@ def approvals_reject(ctx: click.Context, task_ids: tuple[str, ...], why: str,
     _decide(ctx, task_ids, False, by, why, as_json)
 
 
-@approvals.command("stats")
+@approvals.command("stats", needs=STORE)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the documentation).")
 @click.pass_context
 def approvals_stats(ctx: click.Context, as_json: bool) -> None:
     """Count the calls waiting for approval, by queue and by tool."""
-    try:
-        stats = _approvals(ctx).stats()
-    except _approval_errors() as exc:
-        _fail(f"approvals unavailable: {exc}")
+    stats = _approvals(ctx).stats()
     if as_json:
         _echo_json(stats)
         return
@@ -743,18 +767,13 @@ def _event_row(event: Mapping[str, str]) -> list[str]:
     ]
 
 
-@audit.command("show")
+@audit.command("show", needs=STORE)
 @click.argument("run_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
 @click.pass_context
 def audit_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
     """Show the audit events of one run, oldest first."""
-    from ..store.runtime import runtime_for
-
-    try:
-        events = runtime_for(_app(ctx)).audit.events(run_id)
-    except _store_errors() as exc:
-        _fail(f"audit log unavailable: {exc}")
+    events = _runtime(ctx).audit.events(run_id)
     if as_json:
         _echo_json({"run_id": run_id, "events": events})
         if not events:
@@ -769,7 +788,7 @@ def audit_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
                       optional=["BY", "EXCEPTION", "TIME (UTC)", "CLASS", "TRY", "TOOL"]))
 
 
-@audit.command("verify")
+@audit.command("verify", needs=STORE)
 @click.argument("run_ids", nargs=-1)
 @click.option("--all", "every", is_flag=True, help="Verify every run in the store.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
@@ -781,15 +800,10 @@ def audit_verify(ctx: click.Context, run_ids: tuple[str, ...], every: bool,
     Exit code 0 when every chain is intact, 1 when one is broken or a run has
     no events.
     """
-    from ..store.runtime import runtime_for
-
     if bool(run_ids) == every:
         raise click.UsageError("give RUN_ID... or --all (not both)")
-    log = runtime_for(_app(ctx)).audit
-    try:
-        checks = [log.verify(run_id) for run_id in (log.runs() if every else run_ids)]
-    except _store_errors() as exc:
-        _fail(f"audit log unavailable: {exc}")
+    log = _runtime(ctx).audit
+    checks = [log.verify(run_id) for run_id in (log.runs() if every else run_ids)]
     bad = [check for check in checks if not check.intact or check.events == 0]
     if as_json:
         _echo_json({"runs": [
@@ -830,7 +844,7 @@ def _tail_line(event: Mapping[str, str], width: int) -> str:
     return clip(" ".join([text, *(value for value in rest if value)]).rstrip(), width)
 
 
-@audit.command("tail")
+@audit.command("tail", needs=STORE)
 @click.option("--count", "-n", type=click.IntRange(1, 10_000), default=20, show_default=True,
               help="How many of the newest events to show first.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new events (Ctrl-C stops).")
@@ -840,9 +854,8 @@ def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool) -> N
     """Show the newest events of all runs (the global stream); --follow keeps going."""
     from ..admin.table import terminal_width
     from ..store.audit import text
-    from ..store.runtime import runtime_for
 
-    log = runtime_for(_app(ctx)).audit
+    log = _runtime(ctx).audit
     width = terminal_width()
 
     def emit(event: Mapping[str, str]) -> None:
@@ -874,8 +887,6 @@ def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool) -> N
             sys.stdout.flush()
     except KeyboardInterrupt:
         return
-    except _store_errors() as exc:
-        _fail(f"audit log unavailable: {exc}")
 
 
 # -- flower --------------------------------------------------------------------------

@@ -42,8 +42,10 @@ file, authentication, TLS and URL prefix), plus:
   calls awaiting a decision; ``tooleffect_dead_letters{queue,reason,
   failure_class,effect}``, the dead letters of each combination; and
   ``tooleffect_oldest_dead_letter_age_seconds{queue}``, how long the oldest
-  dead letter of each queue has waited (no sample when the store does not
-  answer: absent, never 0);
+  dead letter of each queue has waited; ``tooleffect_store_evicted_keys{store}``
+  and ``tooleffect_store_maxmemory_policy_evicting{store}`` (``store``:
+  ``journal`` or ``dead_letters``), what ``INFO`` says of evictions (no sample
+  when the store does not answer: absent, never 0);
 - a "Failure class" row on Flower's task page for failed tool tasks (from
   the ``failure_class`` field the worker adds to ``task-failed``).
 
@@ -84,6 +86,14 @@ changed (the rules below, for the approvals' URLs as for the dead letters'):
 
 Who acted (the authenticated user, else ``anonymous``, and the client address)
 is written in the audit event of every replay, purge, approval and rejection.
+
+A store that is down or refuses (or a broker that is down, or invalid
+settings) ends a request with 503 and one line that names the store by its
+URL, without password (:func:`~celery_tooleffect.admin.operations.explain`):
+``{"error": "..."}`` from the API, Flower's message page from a page; never
+a 500 with a traceback. A replay, purge, reconcile, approval or rejection
+PINGs the stores it needs first, so it answers that 503 before it does
+anything.
 """
 
 from __future__ import annotations
@@ -120,16 +130,21 @@ from tornado.web import url
 
 from ..admin.approvals import Approvals
 from ..admin.operations import (
+    BOTH_STORES,
+    STORE,
     ActionResult,
     DeadLetterOperations,
     Outcome,
+    explain,
     letter_summary,
+    store_problem,
 )
 from ..effect import ToolEffect
 from ..failures import FailureClass
 from ..store.approvals import Approval
 from ..store.dead_letters import Cursor, DeadLetterQuery, DeadLetterReason, DeadLetters
 from ..store.states import ApprovalState
+from ..worker.eviction import role_readings, servers_of
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +171,8 @@ APPROVALS_PAGE_SIZE = 50
 APPROVALS_GAUGE = "tooleffect_approvals_pending"
 DEAD_LETTERS_GAUGE = "tooleffect_dead_letters"
 OLDEST_DEAD_LETTER_GAUGE = "tooleffect_oldest_dead_letter_age_seconds"
+EVICTED_KEYS_GAUGE = "tooleffect_store_evicted_keys"
+EVICTING_POLICY_GAUGE = "tooleffect_store_maxmemory_policy_evicting"
 #: The only media type the API's replay and purge accept (an HTML form cannot send it).
 JSON_MEDIA_TYPE = "application/json"
 HTTP_STATUS = {Outcome.DONE: 200, Outcome.REFUSED: 409, Outcome.NOT_FOUND: 404,
@@ -321,9 +338,37 @@ class _ToolEffectMixin:
             raise web.HTTPError(403, error)
 
     async def blocking(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``function`` (Redis and broker calls) off the event loop."""
+        """Run ``function`` (Redis and broker calls) off the event loop. A store that
+        is down or refuses, a broker that is down, or invalid settings end the
+        request: 503 with the one line of :func:`explain`."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, functools.partial(function, *args, **kwargs))
+        try:
+            return await loop.run_in_executor(None, functools.partial(function, *args, **kwargs))
+        except Exception as exc:
+            problem = await loop.run_in_executor(
+                None, explain, self.application.capp, exc, BOTH_STORES)
+            if problem is None:
+                raise
+            raise web.HTTPError(503, "%s", problem) from None
+
+    async def require(self, *needs: str) -> None:
+        """503 with one line naming the store unless each store of ``needs`` answers."""
+        runtime = self.application.tooleffect_operations.runtime
+        problem = await self.blocking(store_problem, runtime, needs)
+        if problem:
+            raise web.HTTPError(503, "%s", problem)
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """A 503 of :meth:`blocking` or :meth:`require` as ``{"error": "..."}`` from
+        the API and as Flower's message page from a page; any other error as
+        Flower writes it."""
+        error = kwargs.get("exc_info", (None, None, None))[1]
+        if status_code != 503 or not isinstance(error, web.HTTPError):
+            cast(Any, super()).write_error(status_code, **kwargs)
+        elif isinstance(self, BaseApiHandler):
+            cast(Any, self).finish({"error": error.get_message()})
+        else:
+            cast(Any, self).render("404.html", message=error.get_message())
 
     def check_xsrf_token(self) -> None:
         """Tornado's own ``_xsrf`` check (403 when the token is missing or wrong).
@@ -366,6 +411,21 @@ class _DeadLetterMixin(_ToolEffectMixin):
     @property
     def operations(self) -> DeadLetterOperations:
         return self.application.tooleffect_operations  # type: ignore[no-any-return]
+
+    async def act(self, task_id: str, action: str, *, reason: str, force: bool,
+                  via: str) -> ActionResult:
+        """Replay, purge or reconcile ``task_id`` as the logged-in user, once both
+        stores answer (else 503, nothing done)."""
+        await self.require(*BOTH_STORES)
+        operations = self.operations
+        if action == "replay":
+            return await self.blocking(operations.replay, task_id, actor=self.actor(),
+                                       reason=reason, force=force, via=via)
+        if action == "reconcile":
+            return await self.blocking(operations.reconcile, task_id, actor=self.actor(),
+                                       via=via)
+        return await self.blocking(operations.purge, task_id, actor=self.actor(),
+                                   reason=reason, via=via)
 
     def query_from(self, get: Callable[..., Any]) -> DeadLetterQuery:
         """The list's filters: ``queue``, ``dead_letter_reason``, ``failure_class``, ``effect``.
@@ -522,20 +582,7 @@ class DeadLetterActionPage(_DetailPage):
         self.check_xsrf_token()
         reason = self.get_argument("reason", "", escape=False) or ""
         confirmed = _flag(self.get_argument("confirm", "", escape=False))
-        operations = self.operations
-        if action == "replay":
-            result = await self.blocking(
-                operations.replay, task_id, actor=self.actor(), reason=reason,
-                force=confirmed, via="flower",
-            )
-        elif action == "reconcile":
-            result = await self.blocking(
-                operations.reconcile, task_id, actor=self.actor(), via="flower"
-            )
-        else:
-            result = await self.blocking(
-                operations.purge, task_id, actor=self.actor(), reason=reason, via="flower"
-            )
+        result = await self.act(task_id, action, reason=reason, force=confirmed, via="flower")
         if result.outcome is Outcome.REFUSED and not confirmed:
             result = ActionResult(
                 result.task_id, result.action, result.outcome,
@@ -599,21 +646,8 @@ class DeadLetterActionApi(_DeadLetterMixin, BaseApiHandler):  # type: ignore[mis
     async def post(self, task_id: str, action: str) -> None:
         self.refuse_cross_origin()
         body = self.json_body()
-        reason = str(body.get("reason") or "")
-        operations = self.operations
-        if action == "replay":
-            result = await self.blocking(
-                operations.replay, task_id, actor=self.actor(), reason=reason,
-                force=_flag(body.get("force", False)), via="flower-api",
-            )
-        elif action == "reconcile":
-            result = await self.blocking(
-                operations.reconcile, task_id, actor=self.actor(), via="flower-api"
-            )
-        else:
-            result = await self.blocking(
-                operations.purge, task_id, actor=self.actor(), reason=reason, via="flower-api"
-            )
+        result = await self.act(task_id, action, reason=str(body.get("reason") or ""),
+                                force=_flag(body.get("force", False)), via="flower-api")
         self.set_status(HTTP_STATUS[result.outcome])
         self.write(result.to_dict())
 
@@ -640,7 +674,9 @@ class _ApprovalMixin(_ToolEffectMixin):
         return get("queue", "") or None, get("tool", "") or None, wanted
 
     async def decide(self, task_id: str, verb: str, reason: str) -> ActionResult:
-        """Approve or reject ``task_id`` as the logged-in user; a rejection needs a reason."""
+        """Approve or reject ``task_id`` as the logged-in user, once the store answers
+        (else 503, nothing decided); a rejection needs a reason."""
+        await self.require(STORE)
         return await self.blocking(_decide, self.approvals, task_id, verb,
                                    by=self.actor(), reason=reason.strip())
 
@@ -846,7 +882,14 @@ class StoreGauges:
       counts, one ``HGETALL`` (:meth:`DeadLetters.counts`);
     - ``tooleffect_oldest_dead_letter_age_seconds{queue}``: now minus the
       oldest score of each queue's index, one pipelined ``ZREVRANGE -1 -1
-      WITHSCORES`` per queue (:meth:`DeadLetters.oldest`).
+      WITHSCORES`` per queue (:meth:`DeadLetters.oldest`);
+    - ``tooleffect_store_evicted_keys{store}`` and
+      ``tooleffect_store_maxmemory_policy_evicting{store}`` (1 when its
+      ``maxmemory-policy`` is not ``noeviction``, whatever ``maxmemory``):
+      one ``INFO`` per server, ``store`` being ``journal`` (the journal and
+      audit store) or ``dead_letters`` (only with ``dead_letters``); a server
+      playing both roles gives both samples (see
+      :mod:`celery_tooleffect.worker.eviction`).
 
     No envelope is read. A label set with nothing in it has no sample. When a
     store does not answer, its gauges have no sample at all (absent, never a
@@ -879,6 +922,19 @@ class StoreGauges:
                     labels=["queue"],
                 ),
             ]
+        found += [
+            GaugeMetricFamily(
+                EVICTED_KEYS_GAUGE,
+                "Keys the store's Redis has evicted (INFO evicted_keys; celery-tooleffect).",
+                labels=["store"],
+            ),
+            GaugeMetricFamily(
+                EVICTING_POLICY_GAUGE,
+                "1 when the store's maxmemory-policy can evict the package's keys "
+                "(celery-tooleffect).",
+                labels=["store"],
+            ),
+        ]
         return found
 
     def describe(self) -> list[Metric]:
@@ -887,6 +943,7 @@ class StoreGauges:
 
     def collect(self) -> Iterator[Metric]:
         families = self.families()
+        yield from self.evictions(*families[-2:])
         approvals = families[0]
         stats = _served(APPROVALS_GAUGE, self.approvals.stats)
         if stats is not None:
@@ -909,6 +966,25 @@ class StoreGauges:
             for queue, stored_at in sorted(stored.items()):
                 oldest.add_metric([queue], max(now - stored_at, 0.0))
             yield oldest
+
+    def evictions(self, evicted: GaugeMetricFamily,
+                  evicting: GaugeMetricFamily) -> Iterator[Metric]:
+        """The eviction gauges of the roles whose servers answered."""
+        letters = self.dead_letters.client if self.dead_letters is not None else None
+        found = _served(EVICTED_KEYS_GAUGE, lambda: role_readings(
+            servers_of(self.approvals.runtime.audit.client, letters)))
+        if found is None:
+            return
+        readings, failed = found
+        for role, exc in sorted(failed.items()):
+            logger.warning("%s{store=%s} not served: %s: %s", EVICTED_KEYS_GAUGE, role,
+                           type(exc).__name__, exc)
+        for role, reading in sorted(readings.items()):
+            evicted.add_metric([role], reading.evicted_keys)
+            evicting.add_metric([role], 1.0 if reading.evicting else 0.0)
+        if readings:
+            yield evicted
+            yield evicting
 
 
 def _served(gauge: str, read: Callable[[], T]) -> T | None:

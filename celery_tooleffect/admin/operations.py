@@ -35,6 +35,13 @@ Purge
     journal of a purged write keeps its state, so a stray copy of the message
     is still acknowledged without running until the entry expires.
 
+Unreachable stores
+    :func:`explain` turns what an action raised when a store it needs is down
+    or refuses (or the broker is, or the settings are invalid) into the one
+    line the CLI prints and Flower answers; :func:`store_problem` PINGs the
+    stores an action needs first, and names the one that does not answer by
+    its URL, without password.
+
 Privacy
     Listings (:func:`letter_summary`) follow ``tooleffect_privacy`` like the
     audit log: at ``metadata`` they show sizes of the arguments and the error,
@@ -48,18 +55,21 @@ import contextlib
 import getpass
 import logging
 import os
+import re
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import redis
 from celery.app.task import Context
+from kombu.exceptions import OperationalError
 
 from ..choices import Choice
 from ..effect import ToolEffect
-from ..errors import StoreUnavailable, ToolEffectError
+from ..errors import ConfigurationError, StoreUnavailable, ToolEffectError
 from ..events import AuditEvent
 from ..reconciliation import ReconcileStatus, Reconciliation
 from ..store import states
@@ -92,6 +102,82 @@ REASON_LIMIT = 1000
 #: is taken to be abandoned (its process died), so a new replay may resume it.
 ABANDONED_AFTER = 120.0
 
+#: The Redis servers an operator's action may need (:func:`store_problem`): the
+#: store (journal, audit log, approvals: ``tooleffect_redis_url``) and the
+#: dead-letter store (the broker's Redis when the broker is Redis).
+STORE = "store"
+DEAD_LETTER_STORE = "dead-letter store"
+BOTH_STORES = (STORE, DEAD_LETTER_STORE)
+#: What a store that is down or refuses raises: the package's error, or redis-py's.
+STORE_ERRORS: tuple[type[Exception], ...] = (
+    StoreUnavailable, redis.RedisError, redis.exceptions.RedisClusterException,
+)
+#: What a broker that is down raises (kombu's wrapper, or the socket's own).
+BROKER_ERRORS: tuple[type[Exception], ...] = (OperationalError, ConnectionError)
+
+_PASSWORD = re.compile(r"(?i)(password=)[^&;]*")
+
+
+def without_password(url: str) -> str:
+    """``url`` (each URL of a ``;``-separated list) with its passwords masked."""
+    parts = []
+    for part in str(url).split(";"):
+        scheme, sep, rest = part.partition("://")
+        credentials, at, host = rest.rpartition("@")
+        if at and ":" in credentials:
+            credentials = credentials.split(":", 1)[0] + ":***"
+        parts.append(_PASSWORD.sub(r"\1***", f"{scheme}{sep}{credentials}{at}{host}"))
+    return ";".join(parts)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def store_problem(
+    runtime: ToolRuntime, needs: Iterable[str] = BOTH_STORES,
+    error: BaseException | None = None,
+) -> str | None:
+    """One line naming the first store of ``needs`` (:data:`STORE`,
+    :data:`DEAD_LETTER_STORE`) that does not answer a PING, by its URL without
+    password, and its error; None when each answers.
+
+    With ``error`` (what an action raised) it is never None: when every store
+    answers again, the line names them all, with that error.
+    """
+    settings = runtime.settings
+    same = settings.dead_letter_url == settings.redis_url
+    servers: dict[str, tuple[str, Callable[[], redis.Redis]]] = {}
+    for need in needs:
+        if need == STORE or same:
+            servers.setdefault(settings.redis_url, (STORE, lambda: runtime.audit.client))
+        else:
+            servers.setdefault(settings.dead_letter_url,
+                               (DEAD_LETTER_STORE, lambda: runtime.dead_letters.client))
+    for url, (label, client) in servers.items():
+        try:
+            client().ping()
+        except STORE_ERRORS as exc:
+            return f"the {label} {without_password(url)} is unavailable: {_one_line(exc)}"
+    if error is None:
+        return None
+    named = " or ".join(f"the {label} {without_password(url)}"
+                        for url, (label, _) in servers.items())
+    return f"{named or 'the store'} failed: {_one_line(error)}"
+
+
+def explain(app: Celery, error: BaseException, needs: Iterable[str] = BOTH_STORES) -> str | None:
+    """The one line an operator is told when ``error`` ended an action: the app's
+    settings are invalid, a store of ``needs`` is down or refuses
+    (:func:`store_problem`), or the broker is down; None for any other error."""
+    if isinstance(error, ConfigurationError):
+        return f"invalid celery-tooleffect settings: {_one_line(error)}"
+    if isinstance(error, STORE_ERRORS):
+        return store_problem(runtime_for(app), needs, error)
+    if isinstance(error, BROKER_ERRORS):
+        broker = without_password(runtime_for(app).settings.broker_url)
+        return f"the broker {broker} is unavailable: {_one_line(error)}"
+    return None
 
 
 def default_actor() -> str:
@@ -418,7 +504,7 @@ class DeadLetterOperations:
                                     f"{_label(letter)} was replayed or purged meanwhile")
             return self._replay_taken(taken, actor=actor, reason=reason, force=force,
                                       bulk=bulk, via=via)
-        except StoreUnavailable as exc:
+        except STORE_ERRORS as exc:
             return ActionResult(task_id, "replay", Outcome.FAILED,
                                 f"{task_id}: not replayed: {exc}")
 
@@ -601,7 +687,7 @@ class DeadLetterOperations:
         runtime = self.runtime
         try:
             letter = runtime.dead_letters.get(task_id)
-        except StoreUnavailable as exc:
+        except STORE_ERRORS as exc:
             return ActionResult(task_id, "reconcile", Outcome.FAILED,
                                 f"{task_id}: not reconciled: {exc}")
         if letter is None:
