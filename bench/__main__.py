@@ -46,7 +46,7 @@ from .report import (
     operations_table,
     round_trips_table,
 )
-from .servers import wait_ready, worker_environment, workers
+from .servers import replicas_of, wait_ready, worker_environment, workers
 from .store_scale import Timed, audit_read, dead_letter_operations
 
 #: The peer row's database on the machine's PostgreSQL (trust authentication).
@@ -86,6 +86,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="Letters stored when the CLI's memory is first measured.")
     add("--global-events", type=int, default=1_000_000)
     add("--run-events", type=int, default=1000)
+    add("--replicas", type=int, default=0,
+        help="Replicas of the run's redis-server (started by the run).")
+    add("--store-replicas", type=int, default=0,
+        help="tooleffect_store_replicas: replicas each journal write waits for (WAIT).")
     add("--no-appendonly", dest="appendonly", action="store_false",
         help="Run Redis without AOF (default: AOF, fsync every second).")
     add("--json", type=Path, help="Also write every figure to this JSON file.")
@@ -152,7 +156,8 @@ def call_phases(args: argparse.Namespace, server: RedisServer, phases: set[str],
     quiet = producer_app(prefix, server.url, with_results=False)
     if "calls" in phases:
         environment = worker_environment(prefix, server.url, prefetch=args.prefetch,
-                                         body_seconds=args.body_ms / 1000.0)
+                                         body_seconds=args.body_ms / 1000.0,
+                                         store_replicas=args.store_replicas)
         with workers(args.workers, args.concurrency, environment, logdir,
                      f"{IDLE_QUEUE},{LATENCY_QUEUE}") as started:
             wait_ready(quiet, started)
@@ -166,7 +171,8 @@ def call_phases(args: argparse.Namespace, server: RedisServer, phases: set[str],
             environment = worker_environment(
                 prefix, urls.get("broker", urls.get(ONE_REDIS, "")),
                 backend=urls.get("backend", urls.get(ONE_REDIS)),
-                store=urls.get("store", urls.get(ONE_REDIS)), prefetch=args.prefetch)
+                store=urls.get("store", urls.get(ONE_REDIS)), prefetch=args.prefetch,
+                store_replicas=args.store_replicas)
             with workers(args.workers, args.concurrency, environment, logdir,
                          IDLE_QUEUE) as started:
                 wait_ready(quiet, started)
@@ -217,11 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"machine": machine(), "command": command.strip()}
     sections = [f"Machine: {results['machine']}", f"Command: `{results['command']}`",
                 f"Redis: {'AOF, fsync every second' if args.appendonly else 'no persistence'}"
+                f", {args.replicas} replica(s), tooleffect_store_replicas {args.store_replicas}"
                 f"; workers: {args.workers} x prefork concurrency {args.concurrency}, "
                 f"prefetch multiplier {args.prefetch}; body: "
                 + (f"waits {args.body_ms:g} ms" if args.body_ms else "returns at once")]
+    if args.store_replicas > args.replicas:
+        raise SystemExit("--store-replicas cannot exceed --replicas")
     if phases & {"calls", "round-trips"}:
-        with redis_server(appendonly=args.appendonly) as server:
+        with redis_server(appendonly=args.appendonly) as server, \
+                replicas_of(server, args.replicas):
             figures = call_phases(args, server, phases, logdir)
         results["variants"] = {name: asdict(figure) for name, figure in figures.items()}
         if "calls" in phases:

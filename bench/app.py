@@ -14,7 +14,9 @@ Redis URLs of the broker, the result backend and the package's store: the
 round-trip phase points each at its own counting proxy), and
 ``BENCH_PREFETCH`` (Celery's ``worker_prefetch_multiplier``), and
 ``BENCH_GLOBAL_MAXLEN`` (the audit phase fills the global stream past the
-default cap of 100,000).
+default cap of 100,000), and ``BENCH_STORE_REPLICAS``
+(``tooleffect_store_replicas``: each journal write waits for that many
+replicas, ``--store-replicas``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def config(
     store: str | None = None,
     prefetch: int = 4,
     global_maxlen: int = 100_000,
+    store_replicas: int = 0,
 ) -> dict[str, Any]:
     """The settings of every app of one benchmark run (workers, producers, CLI).
 
@@ -58,6 +61,7 @@ def config(
         "tooleffect_key_prefix": f"{prefix}te:",
         "tooleffect_redis_url": store,
         "tooleffect_global_stream_maxlen": global_maxlen,
+        "tooleffect_store_replicas": store_replicas,
     }
 
 
@@ -70,6 +74,7 @@ app.conf.update(
         store=os.environ.get("BENCH_STORE") or None,
         prefetch=int(os.environ.get("BENCH_PREFETCH", "4")),
         global_maxlen=int(os.environ.get("BENCH_GLOBAL_MAXLEN", "100000")),
+        store_replicas=int(os.environ.get("BENCH_STORE_REPLICAS", "0")),
     )
 )
 

@@ -17,7 +17,14 @@ from typing import Any
 
 import redis
 
-from celery_tooleffect.testing import WorkerProcess, start_celery_worker, wait_for
+from celery_tooleffect.testing import (
+    RedisServer,
+    WorkerProcess,
+    redis_server,
+    start_celery_worker,
+    wait_for,
+)
+from celery_tooleffect.worker.replication import online_replicas
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,12 +37,14 @@ def redis_cpu_seconds(client: redis.Redis) -> float:
 
 def worker_environment(prefix: str, broker: str, *, backend: str | None = None,
                        store: str | None = None, prefetch: int = 4,
-                       body_seconds: float = 0.0) -> dict[str, str]:
-    """What ``bench.app`` reads: the run's prefix, Redis URLs and body time."""
+                       body_seconds: float = 0.0, store_replicas: int = 0) -> dict[str, str]:
+    """What ``bench.app`` reads: the run's prefix, Redis URLs, body time and
+    the replicas each journal write waits for."""
     return dict(
         os.environ, BENCH_PREFIX=prefix, BENCH_BROKER=broker, BENCH_BACKEND=backend or "",
         BENCH_STORE=store or "", BENCH_PREFETCH=str(prefetch),
-        BENCH_BODY_SECONDS=repr(body_seconds), PYTHONPATH=str(ROOT),
+        BENCH_BODY_SECONDS=repr(body_seconds), BENCH_STORE_REPLICAS=str(store_replicas),
+        PYTHONPATH=str(ROOT),
     )
 
 
@@ -71,3 +80,17 @@ def wait_ready(app: Any, started: list[WorkerProcess], timeout: float = 60.0) ->
         return names <= answered
 
     wait_for(ready, timeout=timeout, interval=0.2, what="the workers to answer a ping")
+
+
+@contextlib.contextmanager
+def replicas_of(server: RedisServer, count: int) -> Iterator[list[RedisServer]]:
+    """``count`` replicas of ``server`` (``--replicaof``, no persistence of
+    their own), in sync before the run goes on; removed at the end."""
+    with contextlib.ExitStack() as stack:
+        replicas = [stack.enter_context(redis_server("--replicaof", "127.0.0.1",
+                                                     str(server.port)))
+                    for _ in range(count)]
+        if count:
+            wait_for(lambda: online_replicas(server.client()) >= count, timeout=30,
+                     what="the replicas to be in sync")
+        yield replicas

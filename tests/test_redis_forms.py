@@ -190,3 +190,24 @@ def test_the_store_follows_a_sentinel_broker_and_never_the_default_server(prefix
     assert store.sentinels == (("127.0.0.2", 26379), ("127.0.0.3", 26380))
     # Behind Sentinel a write's intent waits for one replica by default.
     assert settings.store_replicas == 1
+
+
+def test_a_sentinel_result_backend_on_the_stores_master_is_written_by_the_outcome(
+        prefix: str) -> None:
+    """Behind Sentinel too, broker, backend and store on one master: the
+    write's Celery result rides in its outcome script (one-Redis path)."""
+    from celery_tooleffect.store.runtime import runtime_for
+    from celery_tooleffect.worker.results import backend_is_the_store
+
+    urls = "sentinel://:pw@127.0.0.2:26379/1;sentinel://127.0.0.3:26380/1"
+    sentinel = {"master_name": "prod"}
+    app = Celery("sentinel-results", set_as_current=False)
+    app.conf.update(app_config(prefix, broker_url=urls, result_backend=urls,
+                               broker_transport_options=sentinel,
+                               result_backend_transport_options=sentinel))
+    assert backend_is_the_store(app.backend, runtime_for(app))
+    other = Celery("sentinel-results-other", set_as_current=False)
+    other.conf.update(app_config(prefix, broker_url=urls, result_backend=urls,
+                                 broker_transport_options=sentinel,
+                                 result_backend_transport_options={"master_name": "other"}))
+    assert not backend_is_the_store(other.backend, runtime_for(other))

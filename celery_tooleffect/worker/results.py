@@ -1,7 +1,8 @@
 """Celery's result, stored by the write's own outcome script.
 
 When the result backend is Celery's Redis backend on the same server and
-database as the store (the common deployment: one Redis), a write's result is
+database as the store (the common deployment: one Redis), or its Sentinel
+backend naming the same master through the same Sentinels, a write's result is
 stored inside the script that records its outcome, in exactly the key, format,
 expiry and PUBLISH of ``RedisBackend`` (``celery/backends/redis.py``:
 ``_store_result`` builds the meta with ``_get_result_meta``, encodes it, and
@@ -34,8 +35,8 @@ _same: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def backend_is_the_store(backend: Any, runtime: ToolRuntime) -> bool:
-    """Whether ``backend`` is Celery's Redis backend on the store's server and db,
-    as the same user."""
+    """Whether ``backend`` is Celery's Redis (or Sentinel) backend on the store's
+    server (or master) and db, as the same user."""
     cached = _same.get(backend)
     if cached is not None:
         return cached
@@ -43,15 +44,29 @@ def backend_is_the_store(backend: Any, runtime: ToolRuntime) -> bool:
     try:
         from celery.backends.redis import RedisBackend
 
-        if (isinstance(backend, RedisBackend) and type(backend).__name__ == "RedisBackend"
-                and not runtime.settings.redis_cluster):
-            store = runtime.settings.store_endpoint
-            same = (not store.behind_sentinel
-                    and server_identity(backend.connparams) == store.identity())
+        if isinstance(backend, RedisBackend) and not runtime.settings.redis_cluster:
+            same = backend_identity(backend) == runtime.settings.store_endpoint.identity()
     except Exception:
         same = False
     _same[backend] = same
     return same
+
+
+def backend_identity(backend: Any) -> tuple[Any, ...] | None:
+    """:meth:`RedisEndpoint.identity` of Celery's Redis or Sentinel result
+    backend (None for a subclass of them the package does not know)."""
+    params = backend.connparams
+    kind = type(backend).__name__
+    if kind == "RedisBackend":
+        return server_identity(params)
+    if kind == "SentinelBackend":
+        # Celery's SentinelBackend: the Sentinels are ``hosts``, the master's
+        # name its transport options' master_name, db and user the first URL's.
+        sentinels = frozenset((str(host["host"]), int(host["port"])) for host in params["hosts"])
+        return ("sentinel", sentinels, backend._transport_options.get("master_name"),
+                int(params.get("db") or 0), params.get("username") or "default",
+                params.get("password") or "")
+    return None
 
 
 def result_for_outcome(tool: Any, request: Any, result: Any,
