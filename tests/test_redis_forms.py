@@ -4,7 +4,8 @@ Each form gets redis-servers of its own (TCP with an ACL user, a unix socket,
 a failover list of two servers, TLS with client certificates, three Sentinels
 in front of a primary and a replica). A real worker on that broker, with
 ``tooleffect_redis_url`` unset, runs a NON_IDEMPOTENT_WRITE, an
-IDEMPOTENT_WRITE and a READ_ONLY tool; then the write is delivered again under
+IDEMPOTENT_WRITE and a READ_ONLY tool, and a write whose deadline outlasts
+the visibility timeout; then the write is delivered again under
 the same task id. Asserted: every call succeeds, each body ran once (counted
 in files, not in Redis), the journal and audit trail are on the broker's own
 server, and no other server (the failover list's second one, the machine's
@@ -109,7 +110,8 @@ def test_a_worker_on_each_form_journals_on_the_brokers_server(
     runs.mkdir()
     env = {"TE_PREFIX": prefix, "TE_BROKER": form.broker, "TE_BACKEND": form.backend,
            "TE_TRANSPORT": json.dumps(form.transport), "TE_SSL": json.dumps(form.ssl),
-           "TE_BACKEND_TRANSPORT": json.dumps(form.backend_transport), "TE_RUNS": str(runs)}
+           "TE_BACKEND_TRANSPORT": json.dumps(form.backend_transport), "TE_RUNS": str(runs),
+           "TE_VT": "3"}
     producer = Celery("prod-producer", set_as_current=False)
     producer.conf.update(app_config(
         prefix, broker_url=form.broker, result_backend=form.backend,
@@ -125,6 +127,11 @@ def test_a_worker_on_each_form_journals_on_the_brokers_server(
         assert write.get(timeout=30) == "wrote w", worker.output()
         assert producer.send_task("prod.idem", ("i",)).get(timeout=30) == "set i"
         assert producer.send_task("prod.read", ("r",)).get(timeout=30) == "read r"
+        # Longer than the visibility timeout (3 s): its broker lease, on the
+        # broker's server whatever the form, keeps the message from coming back.
+        deadline = producer.send_task("prod.write_deadline", ("d", 5.0))
+        assert deadline.get(timeout=30) == "wrote d"
+        assert worker.output().count(f"[{deadline.id}] received") == 1
 
         # Delivered again under the same id: the journal, on the broker's
         # server, acknowledges it without running.
@@ -132,7 +139,7 @@ def test_a_worker_on_each_form_journals_on_the_brokers_server(
         events = Keys(f"{prefix}te:").run_events(task_id)
         wait_for(lambda: b"duplicate_ignored" in _phases(form.store, events),
                  timeout=30, what="the second delivery to be acknowledged without running")
-        assert [(runs / key).read_text().count("\n") for key in ("w", "i", "r")] == [1, 1, 1]
+        assert [(runs / key).read_text().count("\n") for key in ("w", "i", "r", "d")] == [1] * 4
         assert _phases(form.store, events)[:2] == [b"intent", b"outcome"]
         for other in form.elsewhere:
             assert not list(other.scan_iter(match=f"{prefix}*", count=1000)), (

@@ -6,7 +6,8 @@ TE_BROKER (the broker URL, any form), TE_BACKEND (the result backend URL),
 TE_TRANSPORT (JSON: extra broker transport options, e.g. ``master_name``),
 TE_BACKEND_TRANSPORT (JSON: result backend transport options), TE_SSL (JSON:
 ``broker_use_ssl``), TE_STORE (``tooleffect_redis_url``, optional),
-TE_SETTINGS (JSON: more ``tooleffect_*`` settings), TE_RUNS (a folder: each
+TE_SETTINGS (JSON: more ``tooleffect_*`` settings), TE_VT (the visibility
+timeout, default 30 s), TE_RUNS (a folder: each
 body appends a line to the file named by its key, so a count of runs never
 depends on the Redis under test).
 """
@@ -37,7 +38,7 @@ app.conf.update(app_config(
     broker_url=os.environ["TE_BROKER"],
     result_backend=os.environ["TE_BACKEND"],
     broker_transport_options={
-        "global_keyprefix": PREFIX, "visibility_timeout": 30,
+        "global_keyprefix": PREFIX, "visibility_timeout": float(os.environ.get("TE_VT", "30")),
         # kombu sweeps unacked messages every interval * throttle seconds.
         "unacked_restore_interval": 1, "unacked_restore_throttle": 1,
         "unacked_mutex_expire": 10, **_json("TE_TRANSPORT"),
@@ -61,6 +62,14 @@ def ran(key: str) -> None:
 
 @app.task(base=ToolTask, name="prod.write", effect=ToolEffect.NON_IDEMPOTENT_WRITE)
 def write(key: str, hold: float = 0.0) -> str:
+    ran(key)
+    time.sleep(hold)
+    return f"wrote {key}"
+
+
+@app.task(base=ToolTask, name="prod.write_deadline", effect=ToolEffect.NON_IDEMPOTENT_WRITE,
+          operation_deadline=30)
+def write_deadline(key: str, hold: float = 0.0) -> str:
     ran(key)
     time.sleep(hold)
     return f"wrote {key}"
