@@ -79,6 +79,15 @@ class RedisEndpoint:
     #: The URL of the one server this was resolved from (for a cluster's node).
     url: str = field(default="", compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # Computed once: an endpoint keys the client cache on every store call.
+        object.__setattr__(self, "_hash", hash((
+            self.connection, self.sentinels, self.master_name, self.sentinel_kwargs,
+            self.min_other_sentinels, self.cluster)))
+
+    def __hash__(self) -> int:
+        return int(self.__dict__["_hash"])
+
     @property
     def options(self) -> dict[str, Any]:
         return dict(self.connection)

@@ -50,6 +50,7 @@ from celery import Celery
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.testing import WorkerProcess, app_config, start_celery_worker, wait_for
+from chaos.crash_test import where_is
 from tests.topologies import MASTER, SentinelSet, sentinel_set
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,8 +145,18 @@ def run(failovers: int, tasks: int, replicas: int = 2, store_replicas: int | Non
             worker.stop()
             summary.tasks = len(effects)
             _count(runtime, runs, effects, summary)
+            for index, problem in enumerate(summary.problems):
+                key = problem.split(":", 1)[0]
+                if key in effects:  # where it stands, and what the worker said of it
+                    place = where_is(producer, group.client(group.master()), prefix, key)
+                    said = [line for line in worker.output().splitlines() if key in line]
+                    summary.problems[index] = f"{problem} {place} log{said}"
             if worker.process.returncode not in (0, None, -15):
                 summary.problems.append(f"worker exited {worker.process.returncode}")
+            if summary.problems:
+                kept = Path(tempfile.gettempdir()) / f"te-failover-{prefix.split(':')[1]}.log"
+                kept.write_text(worker.output())
+                summary.problems.append(f"worker log kept in {kept}")
     return summary
 
 

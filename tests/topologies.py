@@ -121,11 +121,14 @@ class SentinelSet:
         wait_for(synced, timeout=timeout, what="the replicas to be in sync")
 
     def fail_over(self, timeout: float = 30.0) -> RedisServer:
-        """SIGKILL the master; return the replica the Sentinels promote."""
+        """SIGKILL the master; return the replica the Sentinels promote, once
+        every Sentinel names it (a Sentinel still naming the old master would
+        send clients to it as soon as it is started again)."""
         old = self.master()
         old.kill()
-        wait_for(lambda: self.master() is not old, timeout=timeout,
-                 what="Sentinel to promote a replica")
+        wait_for(lambda: len({s.master_port_now() for s in self.sentinels} - {old.port}) == 1
+                 and all(s.master_port_now() != old.port for s in self.sentinels),
+                 timeout=timeout, what="every Sentinel to name the promoted replica")
         new = self.master()
         wait_for(lambda: self.client(new).info("replication")["role"] == "master",
                  timeout=timeout, what="the promoted replica to act as master")
