@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,9 +130,13 @@ def run(failovers: int, tasks: int, replicas: int = 2, store_replicas: int | Non
                     effects[key] = kind
                     batch.append(key)
                 group.wait_replicated()
-                wait_for(lambda batch=batch: any((runs / key).exists() for key in batch),
-                         timeout=60,
-                         what="a write to be in its body")
+                try:
+                    wait_for(lambda batch=batch: any((runs / key).exists() for key in batch),
+                             timeout=60, what="a write to be in its body")
+                except AssertionError:
+                    summary.problems.append(f"round {round_number}: no body started in 60 s "
+                                            f"{_stacks(worker)}")
+                    raise
                 started = time.monotonic()
                 old = group.master()
                 group.fail_over()
@@ -158,6 +164,19 @@ def run(failovers: int, tasks: int, replicas: int = 2, store_replicas: int | Non
                 kept.write_text(worker.output())
                 summary.problems.append(f"worker log kept in {kept}")
     return summary
+
+
+def _stacks(worker: WorkerProcess) -> str:
+    """What the worker's processes are doing (py-spy dump), when py-spy is here."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        return "(no py-spy to show the worker's stacks)"
+    dumps = []
+    for pid in [worker.process.pid, *worker.children()]:
+        done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True,
+                              text=True, timeout=60, check=False)
+        dumps.append(done.stdout + done.stderr)
+    return "\n".join(dumps)
 
 
 def _ending(runtime: Any, task_id: str) -> str | None:

@@ -38,9 +38,14 @@ class SentinelProcess:
     def start(self) -> SentinelProcess:
         lines = [
             f"port {self.port}", "bind 127.0.0.1", f"dir {self.workdir}",
+            f"logfile {self.workdir / 'sentinel.log'}",
             f"sentinel monitor {MASTER} 127.0.0.1 {self.master_port} 2",
             f"sentinel down-after-milliseconds {MASTER} 1000",
-            f"sentinel failover-timeout {MASTER} 4000",
+            # Long enough that a loaded machine does not abort a failover
+            # half done (its promoted replica would serve clients as a master
+            # until the next epoch's failover demotes it, and lose what they
+            # wrote); a failover that works takes ~2.5 s whatever this is.
+            f"sentinel failover-timeout {MASTER} 30000",
             f"sentinel parallel-syncs {MASTER} 1",
         ]
         if self.master_password:
