@@ -8,7 +8,9 @@ side by side and clean up only what they created.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +39,7 @@ from celery_tooleffect.testing import (
 )
 
 __all__ = [
+    "FAULT_LINE",
     "REDIS_URL",
     "TESTS",
     "Counter",
@@ -85,6 +88,26 @@ SLOW: dict[str, str] = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C (SIGINT) works in the processes the tests start, however pytest
+    was started. A shell without job control starts a background job (``cmd &``
+    in a script, e.g. on a CI runner) with SIGINT ignored, its children inherit
+    that, and Python installs no KeyboardInterrupt handler in a process started
+    so: a test that stops a CLI with SIGINT (test_cli.py's ``audit tail
+    --follow``) would wait for it forever. Under pytest-xdist each worker runs
+    this too."""
+    if (signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            and threading.current_thread() is threading.main_thread()):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+#: Tests that run by themselves after the parallel run (``make test`` and
+#: .ci/run run ``-m "not alone"`` under xdist, then ``-m alone``): the
+#: Sentinels' failure detection and failover are timed (down after 1 s), and
+#: on a starved machine they promoted a replica that did not stay master.
+ALONE = ("tests/faults/test_failover.py",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark by where a test is: tests/faults/ ``faults``, test_cluster.py
     ``cluster``, a test that drives a browser (the ``browser`` fixture of
@@ -100,6 +123,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.browser)
         if any(_names(item.nodeid, slow) for slow in SLOW):
             item.add_marker(pytest.mark.slow)
+        if any(_names(item.nodeid, alone) for alone in ALONE):
+            item.add_marker(pytest.mark.alone)
+    if hasattr(config, "workerinput"):
+        # An xdist worker (every worker sorts alike: they must collect the same
+        # order). The longest tests first, so that the 5-minute example
+        # matrix does not start last and leave the other workers idle at the
+        # end (longest-first scheduling); the rest keep their order.
+        items.sort(key=lambda item: -_seconds(item.nodeid))
+
+
+def _seconds(nodeid: str) -> float:
+    """What :data:`SLOW` says ``nodeid`` took (its first figure), or 0."""
+    for entry, took in SLOW.items():
+        if _names(nodeid, entry):
+            return float(took.split()[0])
+    return 0.0
+
+
+#: The ``user_properties`` name of a fault scenario's summary line (set by
+#: tests/faults/conftest.py, from :data:`tests.faults.scenario.REPORTED`).
+FAULT_LINE = "fault scenario"
+#: The lines of the session, in the order the tests ended (all workers').
+_FAULT_LINES: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Keep a test's fault summary lines; its teardown report holds them all.
+    Under xdist this runs in the controller too, with the workers' reports."""
+    if report.when == "teardown":
+        _FAULT_LINES.extend(str(value) for name, value in report.user_properties
+                            if name == FAULT_LINE)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The fault scenarios' summary lines, repeated at the end of the session."""
+    if _FAULT_LINES and not hasattr(config, "workerinput"):  # not in an xdist worker
+        terminalreporter.section("fault scenarios")
+        for line in _FAULT_LINES:
+            terminalreporter.write_line(line)
 
 
 def _names(nodeid: str, entry: str) -> bool:

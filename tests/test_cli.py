@@ -608,8 +608,15 @@ def test_audit_tail_follows_new_events(tools: Tools, prefix: str) -> None:
         wait_for(lambda: any(run_id in line for line in lines), timeout=10,
                  what="the followed event")
     finally:
+        # Ctrl-C: the tail ends (exit 0). It cannot if it was started with
+        # SIGINT ignored (see pytest_configure in tests/conftest.py).
         process.send_signal(signal.SIGINT)
-        code = process.wait(20)
+        try:
+            code = process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()  # not left running after the test
+            process.wait(10)
+            raise
     assert code == 0, process.stderr.read() if process.stderr else ""
 
 

@@ -216,14 +216,22 @@ def test_dead_letters_page_in_a_real_browser(
     with running_worker(app):
         # Flower subscribes to the events after its web server is up: wait until
         # it has seen a task, so that it cannot miss the task-failed events below.
+        # A probe that ended before Flower subscribed is never seen (on a busy
+        # machine, e.g. beside other tests under pytest-xdist, that happens), so
+        # each poll looks for the probe of the poll before and sends a new one.
         tools.fix("page-probe")
-        probe = app.send_task(NAMES[ToolEffect.READ_ONLY], args=["page-probe"])
-        succeeded(app, probe.id)
+        probes: list[str] = []
 
-        def flower_knows_the_probe() -> bool:
-            browser.get(f"{flower.url}/task/{probe.id}")
-            return "Unknown task" not in browser.page_source and probe.id in browser.page_source
-        wait_for(flower_knows_the_probe, timeout=20, interval=0.5,
+        def flower_knows_a_probe() -> bool:
+            if probes:
+                browser.get(f"{flower.url}/task/{probes[-1]}")
+                if "Unknown task" not in browser.page_source and probes[-1] in browser.page_source:
+                    return True
+            probe = app.send_task(NAMES[ToolEffect.READ_ONLY], args=["page-probe"])
+            succeeded(app, probe.id)
+            probes.append(probe.id)
+            return False
+        wait_for(flower_knows_a_probe, timeout=20, interval=0.5,
                  what="Flower to receive task events")
         read = tools.dead_letter(ToolEffect.READ_ONLY, "page-read")
         idem = tools.dead_letter(ToolEffect.IDEMPOTENT_WRITE, "page-idem")

@@ -42,9 +42,21 @@ def reconcile_events(app: Celery, run_id: str) -> list[dict[str, str]]:
     return [e for e in AuditLog(app).events(run_id) if e["phase"] == "reconcile"]
 
 
-def kill_child_mid_body(main_redis: redis.Redis, prefix: str, key: str,
-                        worker: WorkerProcess) -> None:
+def body_running(main_redis: redis.Redis, prefix: str, key: str, *, charged: bool) -> int:
+    """The pid of the pool child running ``tools.charge``'s body once it started
+    and, with ``charged`` (``when="after"``), once it made the charge: the body
+    pushes its pid a moment before it charges, and a kill in that moment (a
+    busy machine, e.g. tests side by side under pytest-xdist) would leave the
+    write not made."""
     child = wait_for(lambda: started_pids(main_redis, prefix, key), what="the body to start")[0]
+    if charged:
+        wait_for(lambda: charges(main_redis, prefix, key) == 1, what="the charge")
+    return child
+
+
+def kill_child_mid_body(main_redis: redis.Redis, prefix: str, key: str,
+                        worker: WorkerProcess, *, charged: bool) -> None:
+    child = body_running(main_redis, prefix, key, charged=charged)
     assert child != worker.process.pid
     os.kill(child, signal.SIGKILL)
 
@@ -64,7 +76,7 @@ def test_a_write_that_happened_is_settled_applied_and_its_chain_goes_on(
                 | app.signature("tools.read", args=[after], immutable=True, queue="tools"))
     result = workflow.apply_async()
     charged = result.parent
-    kill_child_mid_body(main_redis, prefix, key, worker)
+    kill_child_mid_body(main_redis, prefix, key, worker, charged=True)
 
     assert charged.get(timeout=60) == f"ch-{key}-1"
     assert result.get(timeout=60) == after  # the chain went on
@@ -86,7 +98,7 @@ def test_a_write_that_did_not_happen_runs_again_once(
     worker = spawn_worker(concurrency=1, broker_url=broker_url)
     key = uuid.uuid4().hex[:8]
     result = app.send_task("tools.charge", args=[key, 60, "before"], queue="tools")
-    kill_child_mid_body(main_redis, prefix, key, worker)
+    kill_child_mid_body(main_redis, prefix, key, worker, charged=False)
 
     assert result.get(timeout=60) == f"ch-{key}-2"
     assert counter.value(key) == 2  # killed before charging, then run again
@@ -114,7 +126,7 @@ def test_a_write_nobody_can_tell_about_stays_a_dead_letter(
     worker = spawn_worker(concurrency=1, broker_url=broker_url, TE_RECONCILE_TIMEOUT="2")
     key = uuid.uuid4().hex[:8]
     result = app.send_task("tools.charge", args=[key, 60, "after", answer], queue="tools")
-    kill_child_mid_body(main_redis, prefix, key, worker)
+    kill_child_mid_body(main_redis, prefix, key, worker, charged=True)
 
     letter = wait_for(lambda: DeadLetters(app).get(result.id), timeout=60,
                       what="the dead letter\n" + worker.output()[-3000:])
@@ -136,7 +148,7 @@ def test_a_redelivery_after_the_whole_worker_died_is_reconciled(
                          broker_url=broker_url)
     key = uuid.uuid4().hex[:8]
     result: Any = app.send_task("tools.charge", args=[key, 60, "after"], queue="tools")
-    wait_for(lambda: started_pids(main_redis, prefix, key), what="the body to start")
+    body_running(main_redis, prefix, key, charged=True)
     first.kill()  # nothing can settle the attempt: the journal lease lapses
 
     second = spawn_worker(concurrency=1, visibility_timeout=visibility_timeout,
@@ -172,7 +184,7 @@ def dead_lettered_charge(
     """A charge killed mid-body whose reconcile first answers unknown: a dead letter."""
     key = uuid.uuid4().hex[:8]
     result = app.send_task("tools.charge", args=[key, 60, when, "unknown_once"], queue="tools")
-    kill_child_mid_body(main_redis, prefix, key, worker)
+    kill_child_mid_body(main_redis, prefix, key, worker, charged=when == "after")
     letter = wait_for(lambda: DeadLetters(app).get(result.id), timeout=60,
                       what="the dead letter\n" + worker.output()[-3000:])
     assert letter.reason == "interrupted_write"
@@ -222,7 +234,7 @@ def test_an_operator_cannot_reconcile_a_tool_that_cannot_tell(
     worker = spawn_worker(concurrency=1, broker_url=broker_url)
     key = uuid.uuid4().hex[:8]
     result = app.send_task("tools.write", args=[key, 60], queue="tools")
-    kill_child_mid_body(main_redis, prefix, key, worker)
+    kill_child_mid_body(main_redis, prefix, key, worker, charged=False)
     wait_for(lambda: DeadLetters(app).get(result.id), timeout=60, what="the dead letter")
 
     report = operator_reconcile(prefix, broker_url, result.id, "no-such-task")

@@ -23,6 +23,9 @@ from celery_tooleffect import DeadLetters
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
 from celery_tooleffect.store.dead_letters import DeadLetter
 from celery_tooleffect.store.envelope import REPLAY_HEADER
+from celery_tooleffect.store.journal import JournalRef
+from celery_tooleffect.store.runtime import runtime_for
+from celery_tooleffect.store.states import JournalState
 from tests.apps.replay_app import build
 from tests.conftest import REDIS_URL, WorkerProcess, wait_for
 
@@ -58,7 +61,23 @@ def letter_of(app: Celery, task_id: str) -> DeadLetter:
     return wait_for(lambda: DeadLetters(app).get(task_id), what=f"dead letter {task_id}")
 
 
+def dead_lettering_ended(app: Celery, task_id: str) -> None:
+    """Wait until the worker has ended the dead letter's record: it stores the
+    letter (what the tests wait for) a moment before it moves the journal from
+    ``dead_lettering`` to ``dead_lettered`` (worker/letters.py). A replay in that
+    moment is allowed and fences that worker, whose end is then recorded as a
+    ``late_outcome``, after which a NON_IDEMPOTENT_WRITE is not replayed again,
+    and a chord member's failure may still reach its chord. A busy machine (the
+    tests side by side under pytest-xdist) makes that moment long enough."""
+    letter = DeadLetters(app).get(task_id)
+    ref = JournalRef(letter.run_id or task_id if letter else task_id, task_id)
+    journal = runtime_for(app).journal
+    wait_for(lambda: journal.read(ref).get("state") != JournalState.DEAD_LETTERING,
+             what=f"the journal of {task_id} to leave dead_lettering")
+
+
 def replay(app: Celery, task_id: str, *, force: bool = True) -> None:
+    dead_lettering_ended(app, task_id)
     result = DeadLetterOperations(app).replay(
         task_id, actor="test", reason="provider fixed" if force else "", force=force,
     )

@@ -27,7 +27,15 @@ from celery_tooleffect import Approvals, DeadLetters, ToolEffect, ToolTask
 from celery_tooleffect.admin.operations import DeadLetterOperations
 from tests.conftest import Counter, running_worker, wait_for
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    # Under pytest-xdist (--dist loadgroup) the whole module runs on one worker,
+    # one test after another: its module fixture sets OpenTelemetry's global
+    # providers, which a process accepts once only, so a second set-up (the
+    # module's tests split among workers or interleaved with others) would
+    # leave the tool spans in the first set-up's exporter.
+    pytest.mark.xdist_group("telemetry"),
+]
 
 
 class Telemetry:

@@ -5,11 +5,18 @@ The host end of the pair and the namespace's end get the two addresses of a
 /30 from 10.200.0.0/13 picked at random, so that tests never use an address
 they did not make. ``cut()`` takes the host end down (packets are dropped,
 connections stall, nothing is reset), ``heal()`` brings it back.
+
+Namespaces and interfaces are machine-wide, and the suite runs in parallel
+(pytest-xdist): every name holds the xdist worker's number (``m`` outside
+xdist) and the pid, and each worker draws its /30 from a slice of the /13 of
+its own, so that two tests running at once never share a name or a subnet.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import shutil
 import subprocess
 import uuid
@@ -29,15 +36,36 @@ def namespaces_possible() -> str | None:
     return None
 
 
+#: The /30s of 10.200.0.0/13 (2**17 of them) are split into this many slices,
+#: one per xdist worker (gw0 the first, a run without xdist the last).
+SLICES = 64
+
+
+def _worker() -> tuple[str, int]:
+    """This process's xdist worker: a short tag for names, and its slice of
+    the /13 (``PYTEST_XDIST_WORKER`` is ``gw<N>``; unset without xdist)."""
+    found = re.fullmatch(r"gw(\d+)", os.environ.get("PYTEST_XDIST_WORKER", ""))
+    if found is None:
+        return "m", SLICES - 1
+    number = int(found.group(1))
+    return str(number), number % (SLICES - 1)
+
+
 class Namespace:
     """``ip netns`` namespace with a veth link to the host."""
 
     def __init__(self) -> None:
-        tag = uuid.uuid4().hex[:6]
+        worker, piece = _worker()
+        # Interface names have at most 15 characters (IFNAMSIZ - 1): "teh", the
+        # worker (3 at most), "p", the pid (5 at most) and 3 random hex digits.
+        tag = f"{worker}p{os.getpid() % 100_000}{uuid.uuid4().hex[:3]}"
         self.name = f"te-{tag}"
         self.host_if = f"teh{tag}"
         self.ns_if = f"ten{tag}"
-        base = random.Random().randrange(0, 1 << 17) * 4  # a /30 inside 10.200.0.0/13
+        assert len(self.host_if) <= 15, self.host_if
+        # A /30 inside this worker's slice of 10.200.0.0/13.
+        per_slice = (1 << 17) // SLICES
+        base = (piece * per_slice + random.Random().randrange(0, per_slice)) * 4
         prefix = f"10.{200 + (base >> 16)}.{(base >> 8) & 255}."
         self.host_ip = f"{prefix}{(base & 255) + 1}"
         self.ns_ip = f"{prefix}{(base & 255) + 2}"
