@@ -54,6 +54,7 @@ def redis_client(url: str, socket_timeout: float, cluster: bool = False) -> redi
     return client_for(resolve(url, setting="url", cluster=cluster), socket_timeout)
 
 
+_SENTINEL: Any = Sentinel
 _lock = threading.Lock()
 _clients: dict[tuple[int, RedisEndpoint, float], redis.Redis] = {}
 
@@ -104,10 +105,10 @@ def _build(endpoint: RedisEndpoint, socket_timeout: float) -> redis.Redis:
         sentinel_kwargs = {"socket_timeout": socket_timeout,
                            "socket_connect_timeout": min(socket_timeout, 2.0),
                            **dict(endpoint.sentinel_kwargs)}
-        manager = Sentinel(  # type: ignore[no-untyped-call]
-            list(endpoint.sentinels), sentinel_kwargs=sentinel_kwargs,
-            min_other_sentinels=endpoint.min_other_sentinels)
-        return cast(redis.Redis, manager.master_for(  # type: ignore[no-untyped-call]
+        # Any: redis-py annotates Sentinel from 8.2 on, not before.
+        manager: Any = _SENTINEL(list(endpoint.sentinels), sentinel_kwargs=sentinel_kwargs,
+                                 min_other_sentinels=endpoint.min_other_sentinels)
+        return cast(redis.Redis, manager.master_for(
             endpoint.master_name, redis_class=redis.Redis, **options))
     if options.get("path"):
         options["connection_class"] = redis.UnixDomainSocketConnection
