@@ -28,6 +28,7 @@ naming the setting and the form; nothing falls back to another server.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,14 +151,14 @@ def resolve(url: str, *, setting: str, transport_options: Mapping[str, Any] | No
         return _sentinel(parts, setting, dict(transport_options or {}), ssl)
     if not schemes <= set(DIRECT_SCHEMES):
         raise ConfigurationError(
-            f"{setting}: {_masked(url)} is not a Redis URL the package can use (it accepts "
+            f"{setting}: {masked_url(url)} is not a Redis URL the package can use (it accepts "
             "redis://, rediss://, redis+socket://, socket://, unix://, a ';'-separated "
             "failover list of those, or a ';'-separated list of sentinel://)"
         )
     if cluster and schemes - {"redis", "rediss"}:
         raise ConfigurationError(
             f"{setting}: a Redis Cluster (tooleffect_redis_cluster) is reached through one "
-            f"node's redis:// or rediss:// URL, not {_masked(url)}")
+            f"node's redis:// or rediss:// URL, not {masked_url(url)}")
     # A failover list: the first server (see the module's docs).
     return RedisEndpoint(_direct(parts[0], setting, ssl), cluster=cluster, url=parts[0])
 
@@ -186,7 +187,7 @@ def _direct(url: str, setting: str, ssl: Mapping[str, Any] | bool | None) -> Pai
                 options["ssl"] = True
     except (ValueError, TypeError) as exc:
         raise ConfigurationError(
-            f"{setting}: {_masked(url)} is not a valid Redis URL ({exc})") from None
+            f"{setting}: {masked_url(url)} is not a valid Redis URL ({exc})") from None
     if options.get("ssl") and isinstance(ssl, Mapping):
         for name, value in ssl.items():
             options.setdefault(str(name), value)
@@ -207,10 +208,10 @@ def _sentinel(parts: list[str], setting: str, transport: dict[str, Any],
             parsed = url_to_parts(part)
             port = int(parsed.port or 26379)
         except (ValueError, TypeError) as exc:
-            raise ConfigurationError(f"{setting}: {_masked(part)} is not a valid "
+            raise ConfigurationError(f"{setting}: {masked_url(part)} is not a valid "
                                      f"sentinel:// URL ({exc})") from None
         if not parsed.hostname:
-            raise ConfigurationError(f"{setting}: {_masked(part)} names no Sentinel host")
+            raise ConfigurationError(f"{setting}: {masked_url(part)} names no Sentinel host")
         sentinels.append((parsed.hostname, port))
         first = first or parsed
     assert first is not None
@@ -224,7 +225,7 @@ def _sentinel(parts: list[str], setting: str, transport: dict[str, Any],
         options["db"] = int((first.path or "0").strip("/") or 0)
     except ValueError as exc:
         raise ConfigurationError(
-            f"{setting}: {_masked(parts[0])} has no valid db ({exc})") from None
+            f"{setting}: {masked_url(parts[0])} has no valid db ({exc})") from None
     if first.username:
         options["username"] = unquote(first.username)
     if first.password:
@@ -249,13 +250,17 @@ def _pairs(options: Mapping[str, Any]) -> Pairs:
                         if value is not None))
 
 
-def _masked(url: str) -> str:
-    """``url`` without its passwords."""
+_PASSWORD_QUERY = re.compile(r"(?i)(password=)[^&;]*")
+
+
+def masked_url(url: str) -> str:
+    """``url`` (each URL of a ``;``-separated list) with its passwords masked,
+    in the credentials and in a ``password=`` query option."""
     masked = []
     for part in str(url).split(";"):
         scheme, sep, rest = part.partition("://")
         credentials, at, host = rest.rpartition("@")
         if at and ":" in credentials:
             credentials = credentials.split(":", 1)[0] + ":***"
-        masked.append(f"{scheme}{sep}{credentials}{at}{host}")
+        masked.append(_PASSWORD_QUERY.sub(r"\1***", f"{scheme}{sep}{credentials}{at}{host}"))
     return ";".join(masked)

@@ -55,7 +55,6 @@ import contextlib
 import getpass
 import logging
 import os
-import re
 import socket
 import time
 import uuid
@@ -69,6 +68,7 @@ from kombu.exceptions import OperationalError
 
 from ..choices import Choice
 from ..effect import ToolEffect
+from ..endpoints import masked_url
 from ..errors import ConfigurationError, StoreUnavailable, ToolEffectError
 from ..events import AuditEvent
 from ..reconciliation import ReconcileStatus, Reconciliation
@@ -115,20 +115,6 @@ STORE_ERRORS: tuple[type[Exception], ...] = (
 #: What a broker that is down raises (kombu's wrapper, or the socket's own).
 BROKER_ERRORS: tuple[type[Exception], ...] = (OperationalError, ConnectionError)
 
-_PASSWORD = re.compile(r"(?i)(password=)[^&;]*")
-
-
-def without_password(url: str) -> str:
-    """``url`` (each URL of a ``;``-separated list) with its passwords masked."""
-    parts = []
-    for part in str(url).split(";"):
-        scheme, sep, rest = part.partition("://")
-        credentials, at, host = rest.rpartition("@")
-        if at and ":" in credentials:
-            credentials = credentials.split(":", 1)[0] + ":***"
-        parts.append(_PASSWORD.sub(r"\1***", f"{scheme}{sep}{credentials}{at}{host}"))
-    return ";".join(parts)
-
 
 def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
@@ -158,10 +144,10 @@ def store_problem(
         try:
             client().ping()
         except STORE_ERRORS as exc:
-            return f"the {label} {without_password(url)} is unavailable: {_one_line(exc)}"
+            return f"the {label} {masked_url(url)} is unavailable: {_one_line(exc)}"
     if error is None:
         return None
-    named = " or ".join(f"the {label} {without_password(url)}"
+    named = " or ".join(f"the {label} {masked_url(url)}"
                         for url, (label, _) in servers.items())
     return f"{named or 'the store'} failed: {_one_line(error)}"
 
@@ -175,7 +161,7 @@ def explain(app: Celery, error: BaseException, needs: Iterable[str] = BOTH_STORE
     if isinstance(error, STORE_ERRORS):
         return store_problem(runtime_for(app), needs, error)
     if isinstance(error, BROKER_ERRORS):
-        broker = without_password(runtime_for(app).settings.broker_url)
+        broker = masked_url(runtime_for(app).settings.broker_url)
         return f"the broker {broker} is unavailable: {_one_line(error)}"
     return None
 
