@@ -12,12 +12,14 @@ from .errors import (
     ApprovalRequired,
     AttemptInProgress,
     AuditPersistenceFailed,
+    CallIdConflict,
     ConfigurationError,
     DeadLettered,
     EffectRelabelRefused,
     IntentNotDurable,
     IntentNotRecorded,
     InterruptedWrite,
+    InvalidCallId,
     LeaseLost,
     LeaseNotSecured,
     ReconcileFailed,
@@ -30,6 +32,7 @@ from .errors import (
 )
 from .events import AuditEvent
 from .failures import CircuitOpenError, FailureClass, FailureClassifier, NoSideEffect
+from .identity import call_task_id
 from .reconciliation import ReconcileStatus, Reconciliation
 from .signals import approval_requested
 from .store.approvals import Approval
@@ -49,6 +52,7 @@ __all__ = [
     "AuditEvent",
     "AuditLog",
     "AuditPersistenceFailed",
+    "CallIdConflict",
     "CircuitOpenError",
     "ConfigurationError",
     "DeadLetter",
@@ -61,6 +65,7 @@ __all__ = [
     "IntentNotDurable",
     "IntentNotRecorded",
     "InterruptedWrite",
+    "InvalidCallId",
     "Journal",
     "JournalState",
     "LeaseLost",
@@ -80,6 +85,7 @@ __all__ = [
     "ToolEffectResolver",
     "ToolTask",
     "approval_requested",
+    "call_task_id",
 ]
 
 __version__ = "0.1.0"

@@ -17,6 +17,10 @@ wrong and what it means::
      +-- RetriesExhausted                the retry budget is spent
      +-- AttemptInProgress               an interactive call found its task running elsewhere
      +-- ToolContextError                a tool asked for what only its running call has
+     +-- CallIdConflict                  a task id is another call's (another tool or
+     |                                   other arguments); nothing ran
+     +-- InvalidCallId                   (also ValueError) a call id or step key that
+     |                                   cannot be an id
      +-- ReconcileFailed                 a tool's reconcile timed out or answered nonsense
      +-- ApprovalRejected                a person rejected the call, or nobody decided in time
      +-- ApprovalRequired                an interactive call of a tool that needs approval
@@ -135,6 +139,9 @@ class DeadLettered(ToolEffectError, Reject):  # type: ignore[misc]
         #: stores it (a ``celery_tooleffect.worker.letters.PendingLetter``); None once
         #: stored, so that it never reaches a result backend.
         self.pending_letter: Any = None
+        #: True when the task id's Celery result is another call's (a call-id
+        #: conflict): the worker stores the letter and leaves the result alone.
+        self.keep_result = False
 
     def __str__(self) -> str:
         return (
@@ -179,6 +186,44 @@ class ToolContextError(ToolEffectError):
     """A tool asked for what only a running call has: ``self.idempotency_key``
     outside the tool's body, or ``self.fencing_token`` of a READ_ONLY tool
     (which keeps no journal) or outside a write's body."""
+
+
+class CallIdConflict(ToolEffectError):
+    """A call's task id already belongs to another call: another tool, or the
+    same tool with other arguments (``docs/identity.md``). Nothing of this call
+    ran, and the other call's result is left as it is. Raised at publish time
+    when the caller chose the task id (``task_id=``, ``call_id=``, a tool
+    called in a tool's body); a worker that meets one dead-letters it
+    (reason ``call_id_conflict``). Class CLIENT_ERROR: never retried."""
+
+    failure_class = "client_error"
+
+    def __init__(self, message: str, *, task_id: str = "", tool: str = "",
+                 recorded_tool: str = "", conflict: str = "") -> None:
+        super().__init__(message)
+        self.task_id = task_id
+        self.tool = tool
+        #: The tool the task id belongs to.
+        self.recorded_tool = recorded_tool
+        #: What differs: 'tool' or 'arguments'.
+        self.conflict = conflict
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_conflict, (str(self), self.task_id, self.tool,
+                                    self.recorded_tool, self.conflict))
+
+
+def _rebuild_conflict(message: str, task_id: str, tool: str, recorded_tool: str,
+                      conflict: str) -> CallIdConflict:
+    return CallIdConflict(message, task_id=task_id, tool=tool, recorded_tool=recorded_tool,
+                          conflict=conflict)
+
+
+class InvalidCallId(ToolEffectError, ValueError):
+    """A call id, run id or step key that cannot be an id: not text, empty, or
+    longer than 200 characters. Raised before anything is published or run."""
+
+    failure_class = "client_error"
 
 
 class ReconcileFailed(ToolEffectError):

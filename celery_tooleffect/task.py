@@ -20,21 +20,28 @@ from celery.exceptions import Reject, Retry
 
 from .effect import ToolEffect, ToolEffectResolver
 from .errors import (
+    CallIdConflict,
     EffectRelabelRefused,
+    InvalidCallId,
     ToolContextError,
     ToolDeclarationError,
 )
+from .identity import call_task_id, checked_id, conflict_text, publish_digest
 from .reconciliation import Reconciliation
 from .settings import refuse_unknown_settings
 from .store.runtime import ToolRuntime, runtime_for
 from .worker.approvals import install_approval_sweep
 from .worker.attempt import (
+    CALL_ID_HEADER,
     FENCING_TOKEN_FIELD,
+    REPUBLISH_OPTION,
+    RUN_ID_HEADER,
     forged_headers,
     idempotency_key,
     resolve_run_id,
     without_internal_fields,
 )
+from .worker.children import current_parent
 from .worker.consumer import install_consumer_step
 from .worker.execution import run_tool
 from .worker.retries import (
@@ -262,8 +269,11 @@ class ToolTask(Task):  # type: ignore[misc]
 
     def signature_from_request(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's, without the fields the worker added to the request for its pool
-        (every republish of a task from its own request goes through here)."""
-        return without_internal_fields(super().signature_from_request(*args, **kwargs))
+        (every republish of a task from its own request goes through here), and
+        marked as such a republish: it claims no task id (``apply_async``)."""
+        signature = without_internal_fields(super().signature_from_request(*args, **kwargs))
+        signature.options[REPUBLISH_OPTION] = True
+        return signature
 
     def retry(
         self, args: Any = None, kwargs: Any = None, exc: BaseException | None = None,
@@ -301,11 +311,37 @@ class ToolTask(Task):  # type: ignore[misc]
             raise
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Celery's ``apply_async``, with the call's identity (``docs/identity.md``):
+
+        - ``call_id=`` (with ``run_id=``): the agent's own id of the tool call;
+          the task id is derived from both (:func:`celery_tooleffect.call_task_id`),
+          so a call re-sent after any crash is the same call;
+        - ``run_id=``: the run the call belongs to (the ``tooleffect_run_id`` header);
+        - in a tool's body, a call without a task id gets one derived from
+          the parent (``step=`` names it instead of its ordinal).
+
+        A task id the caller chose (``task_id=``, ``call_id=``, a child's) is
+        claimed for this tool and these arguments first, one round trip:
+        :class:`CallIdConflict` when it is another call's. Raises
+        :class:`InvalidCallId` for an id that cannot be one.
+        """
+        republish = bool(options.pop(REPUBLISH_OPTION, False))
         _refuse_relabel(self.name, options)
+        claim = self._identify(options, republish=republish)
+        if claim:
+            self._claim(str(options["task_id"]), args, kwargs, options)
         return super().apply_async(args, kwargs, **options)
 
     def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        options.pop(REPUBLISH_OPTION, None)
         _refuse_relabel(self.name, options)
+        step = options.pop("step", None)
+        parent = current_parent()
+        if parent is not None and options.get("task_id") is None:
+            options["task_id"] = parent.child_id(self.name, step)
+            options["headers"] = {**(options.get("headers") or {}), RUN_ID_HEADER: parent.run_id}
+        elif step is not None:
+            raise InvalidCallId(f"{self.name}: step= names a tool called in a tool's body")
         return super().apply(args, kwargs, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -313,16 +349,83 @@ class ToolTask(Task):  # type: ignore[misc]
         if request.id is not None:
             return run_tool(self, request, args, kwargs)
         # A direct call: give it a task id so that a write is journalled
-        # exactly like a queued one; its run id is that task id.
-        task_id = uuid.uuid4().hex
+        # exactly like a queued one. In a tool's body the id is derived from
+        # the parent, and the call is in the parent's run; elsewhere it is
+        # new, and its run id is that task id.
+        parent = current_parent()
+        if parent is None:
+            task_id = uuid.uuid4().hex
+            lineage = {"root_id": task_id}
+        else:
+            task_id = parent.child_id(self.name)
+            lineage = {"root_id": parent.run_id, "parent_id": parent.task_id,
+                       RUN_ID_HEADER: parent.run_id}
         self.push_request(
-            args=args, kwargs=kwargs, id=task_id, root_id=task_id, is_eager=True,
-            called_directly=True,
+            args=args, kwargs=kwargs, id=task_id, is_eager=True, called_directly=True,
+            **lineage,
         )
         try:
             return run_tool(self, self.request, args, kwargs)
         finally:
             self.pop_request()
+
+    # -- call identity (docs/identity.md) --------------------------------------
+
+    def _identify(self, options: dict[str, Any], *, republish: bool) -> bool:
+        """Give the call its task id and run (in ``options``); True when the
+        caller chose the id, so that it must be claimed before publishing.
+        ``republish``: the task published again from its own request."""
+        call_id = options.pop("call_id", None)
+        run_id = options.pop("run_id", None)
+        step = options.pop("step", None)
+        parent = None if republish else current_parent()
+        headers = dict(options.get("headers") or {})
+        if run_id is not None:
+            headers[RUN_ID_HEADER] = checked_id(run_id, "run_id")
+        elif parent is not None:
+            headers.setdefault(RUN_ID_HEADER, parent.run_id)
+        if step is not None and (parent is None or call_id is not None
+                                 or options.get("task_id") is not None):
+            raise InvalidCallId(f"{self.name}: step= names a tool called in a tool's body "
+                                "without a task id or call id of its own")
+        claim = False
+        if call_id is not None:
+            if options.get("task_id") is not None:
+                raise InvalidCallId(f"{self.name}: give call_id= or task_id=, not both")
+            call_id = checked_id(call_id, "call_id")
+            options["task_id"] = call_task_id(call_id, headers.get(RUN_ID_HEADER, ""))
+            headers[CALL_ID_HEADER] = call_id
+            claim = True
+        elif options.get("task_id") is None:
+            if parent is not None:
+                options["task_id"] = parent.child_id(self.name, step)
+                claim = True
+        elif not republish:
+            # Celery's canvas publishes its members with the ids it froze
+            # (group_id, chord, chain, parent_id, root_id among the options):
+            # those it chose; the worker's journal checks them.
+            claim = not any(options.get(name) is not None for name in CANVAS_OPTIONS)
+        if headers:
+            options["headers"] = headers
+        return claim
+
+    def _claim(self, task_id: str, args: Any, kwargs: Any, options: Mapping[str, Any]) -> None:
+        """Claim ``task_id`` for this tool and these arguments, or raise
+        :class:`CallIdConflict`; kombu's ``EncodeError`` for arguments the
+        message's serializer cannot encode, as Celery's publish would."""
+        serializer = options.get("serializer") or self.serializer or self.app.conf.task_serializer
+        digest = publish_digest(args or (), kwargs or {}, serializer)
+        claim = self.runtime.calls.claim(task_id, self.name, digest)
+        if not claim:
+            raise CallIdConflict(
+                conflict_text(task_id, self.name, claim.recorded_tool, claim.conflict),
+                task_id=task_id, tool=self.name, recorded_tool=claim.recorded_tool,
+                conflict=claim.conflict,
+            )
+
+
+#: Options with which Celery's canvas publishes a member under the id it froze.
+CANVAS_OPTIONS = ("group_id", "group_index", "chord", "chain", "parent_id", "root_id")
 
 
 def _overridden(cls: type) -> set[str]:

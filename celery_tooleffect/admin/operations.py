@@ -247,6 +247,11 @@ def replay_refusal(
             f"{label} cannot be replayed: its message names no task that could be "
             "published (the body is kept in the dead letter); purge it once handled"
         )
+    if letter.reason == DeadLetterReason.CALL_ID_CONFLICT.value:
+        return (
+            f"{label} cannot be replayed: its task id belongs to another call "
+            f"({letter.error}); publish it again under its own id, then purge this letter"
+        )
     if force and not reason.strip():
         return f"{label}: a forced replay needs a reason (--reason): it is audited with why"
     if effect is ToolEffect.NON_IDEMPOTENT_WRITE:

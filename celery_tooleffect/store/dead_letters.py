@@ -72,6 +72,15 @@ class DeadLetterReason(Choice):
     UNKNOWN_TASK = "unknown_task"
     UNDECODABLE_MESSAGE = "undecodable_message"
     MALFORMED_MESSAGE = "malformed_message"
+    #: Its task id belongs to another call (another tool or other arguments);
+    #: kept under its own id (:func:`conflict_letter_id`), never replayed.
+    CALL_ID_CONFLICT = "call_id_conflict"
+
+
+def conflict_letter_id(task_id: str, digest: str) -> str:
+    """The id a call-id conflict is dead-lettered under: not the task id, whose
+    dead letter (if any) and journal are the first call's."""
+    return f"{task_id}.conflict-{digest[:12]}"
 
 
 @dataclass

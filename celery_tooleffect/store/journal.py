@@ -14,10 +14,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 
+from ..effect import ToolEffect
 from ..errors import IntentNotDurable, StoreUnavailable
 from ..events import AuditEvent
 from ..settings import Settings
@@ -50,6 +51,15 @@ class Begin:
     fencing_token: int | None = None
     #: For EXHAUSTED: how the earlier attempts ended.
     endings: Mapping[Ending, int] | None = None
+    #: The effect the delivery is handled under: the one it declared, or the
+    #: stricter one the entry recorded (a release that declares less).
+    effect: str = ""
+    #: For CONFLICT: the tool the task id belongs to.
+    recorded_tool: str = ""
+    #: For DONE: the result an interactive call kept (a tool called in a
+    #: tool's body), encoded, and its content type ('' when none was kept).
+    kept_result: bytes = b""
+    kept_content_type: str = ""
 
     @property
     def owner_lease_end(self) -> float:
@@ -108,11 +118,18 @@ class Journal:
         lease_end: float,
         attempts_allowed: int,
         event: AuditEvent,
+        tool: str = "",
+        call_digest: str = "",
         resume_interrupted: bool = False,
         broker_lease: BrokerLease | None = None,
         broker_lease_end: float = 0.0,
     ) -> Begin:
         """Record the intent of an attempt, or say why this delivery must not run.
+
+        The first intent binds the task id to ``tool`` and ``call_digest``
+        (:func:`celery_tooleffect.identity.call_digest`); a later delivery of
+        the id under another tool or with other arguments is a CONFLICT that
+        changes nothing.
 
         Raises :class:`StoreUnavailable` when the journal cannot be read or
         written: the body must not run then. For STARTED the intent's copy to
@@ -141,6 +158,8 @@ class Journal:
             self.settings.run_stream_maxlen,
             "1" if resume_interrupted else "0",
             *lease_args,
+            tool,
+            call_digest,
             *flatten(event),
         ]
         begin = script("begin_attempt")
@@ -160,22 +179,29 @@ class Journal:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
         answer = replies[0]
-        verdict, attempt, detail = answer[:3]
-        if self.durability is not None and text(verdict) == Verdict.STARTED.value:
+        verdict = Verdict(text(answer[0]))
+        attempt, detail, handled_as = answer[1], answer[2], answer[3]
+        if self.durability is not None and verdict is Verdict.STARTED:
             short = self.durability.shortfall(replies[1])
             if short is not None:
                 raise IntentNotDurable(f"intent not durable: {short}", int(attempt))
-        endings = None
-        if len(answer) == 6:
-            endings = {ending: int(count) for ending, count in zip(Ending, answer[3:], strict=True)}
-        result = Begin(Verdict(text(verdict)), int(attempt), text(detail), endings=endings)
-        if result.verdict is Verdict.STARTED:
-            fence = int(answer[3])
+        result = Begin(verdict, int(attempt), text(detail), effect=text(handled_as))
+        extra = answer[4:]
+        if verdict is Verdict.STARTED:
+            fence = int(extra[0])
             # Saves a round trip on the hot path: the copy rides with the outcome.
-            return Begin(result.verdict, result.attempt, result.detail,
-                         intent_event=event.amended(fencing_token=fence), fencing_token=fence)
-        if result.verdict in (Verdict.DONE, Verdict.DEAD_LETTERED):
+            return replace(result, fencing_token=fence,
+                           intent_event=replace(event.amended(fencing_token=fence),
+                                                effect=result.effect))
+        if verdict is Verdict.EXHAUSTED:
+            return replace(result, endings={
+                ending: int(count) for ending, count in zip(Ending, extra, strict=True)})
+        if verdict is Verdict.CONFLICT:
+            return replace(result, recorded_tool=text(extra[0]))
+        if verdict in (Verdict.DONE, Verdict.DEAD_LETTERED):
             self.audit.copy_to_global(event)
+        if verdict is Verdict.DONE and extra and extra[0]:
+            return replace(result, kept_result=bytes(extra[0]), kept_content_type=text(extra[1]))
         return result
 
     def transition(
@@ -288,6 +314,20 @@ class Journal:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
         return bool(renewed)
+
+    def recorded_effect(self, ref: JournalRef) -> ToolEffect | None:
+        """The effect the entry records (None: no entry, or none recorded).
+        Raises :class:`StoreUnavailable` when the journal cannot be read."""
+        try:
+            recorded = self.client.hget(self.keys.journal(ref.run_id, ref.task_id), "effect")
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"journal unavailable: {exc}") from exc
+        if not recorded:
+            return None
+        try:
+            return ToolEffect.coerce(text(recorded))
+        except ValueError:
+            return ToolEffect.NON_IDEMPOTENT_WRITE  # unknown: the strictest
 
     def read(self, ref: JournalRef) -> dict[str, str]:
         """The entry's fields (empty when there is none)."""

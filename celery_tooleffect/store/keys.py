@@ -97,6 +97,19 @@ class Keys:
         """Dead letters taken out of the store by a replay that has not finished yet."""
         return f"{self.prefix}dlq:replaying"
 
+    def call_claim(self, task_id: str) -> str:
+        """The publish-time claim of a task id (a hash: its tool and argument
+        digest), in a slot of its own: a task id names one call across runs,
+        as it names one Celery result."""
+        return f"{self.prefix}call:{{{hash_tag(task_id) or '%'}}}"
+
+    @property
+    def declared_effects(self) -> str:
+        """The effects the live workers declare (a hash; field: a worker's node
+        name, value: its release and its tools' effects, as JSON, with when the
+        entry lapses). See :mod:`celery_tooleffect.store.declarations`."""
+        return f"{self.prefix}workers:effects"
+
     # -- approvals -------------------------------------------------------------
 
     def approval(self, run_id: str, task_id: str) -> str:

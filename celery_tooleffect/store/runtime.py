@@ -14,6 +14,7 @@ from ..failures import FailureClassifier
 from ..settings import Settings, settings_for
 from .approvals import ApprovalStore
 from .audit import AuditLog
+from .calls import CallClaims
 from .dead_letters import DeadLetters
 from .journal import Journal
 from .leases import Leases
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
 
 
 class ToolRuntime:
-    """Settings, audit log, journal, dead letters, approvals and classifier of one app."""
+    """Settings, audit log, journal, dead letters, approvals, call claims and
+    classifier of one app."""
 
     def __init__(self, app: Celery) -> None:
         self.settings: Settings = settings_for(app)
@@ -32,6 +34,7 @@ class ToolRuntime:
         self.dead_letters = DeadLetters(app, self.settings)
         self.approvals = ApprovalStore(self.settings, self.audit)
         self.leases = Leases(self.settings)
+        self.calls = CallClaims(self.settings)
         self.classifier = FailureClassifier.from_setting(self.settings.failure_classes)
 
 

@@ -94,6 +94,8 @@ class Verdict(Choice):
     INTERRUPTED = "interrupted"
     NOT_RUN = "not_run"
     EXHAUSTED = "exhausted"
+    #: The task id belongs to another call (another tool or other arguments).
+    CONFLICT = "conflict"
     #: The broker lease secured with the intent was refused (nothing recorded).
     LEASE_BUSY = "lease_busy"
     LEASE_LOST = "lease_lost"

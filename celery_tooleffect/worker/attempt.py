@@ -20,11 +20,14 @@ from ..store.audit import StepContext, worker_identity
 from ..store.envelope import REPLAY_HEADER
 from ..store.journal import JournalRef
 
-#: The ``tooleffect_*`` message headers a producer may set: the run id, and the
-#: mark a dead-letter replay leaves (informational: workers decide from the
+#: The ``tooleffect_*`` message headers a producer may set: the run id, the
+#: agent's call id, and the mark a dead-letter replay leaves (informational: workers decide from the
 #: journal, so setting it grants nothing).
 RUN_ID_HEADER = "tooleffect_run_id"
-ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, REPLAY_HEADER})
+#: The agent's own id of a tool call published with ``call_id=``
+#: (informational: the task id derived from it is the call's identity).
+CALL_ID_HEADER = "tooleffect_call_id"
+ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, CALL_ID_HEADER, REPLAY_HEADER})
 #: Request fields the worker's main process adds for the pool process; never
 #: taken from a message.
 TOKEN_FIELD = "tooleffect_token"
@@ -36,6 +39,9 @@ FENCING_TOKEN_FIELD = "tooleffect_fencing_token"
 #: that needs approval was approved (a producer's header of this name is
 #: refused as forged, as any ``tooleffect_*`` header).
 APPROVED_FIELD = "tooleffect_approved"
+#: The option ``ToolTask.signature_from_request`` adds: a republish of a task
+#: from its own request (a retry, a deferral), which claims no id.
+REPUBLISH_OPTION = "_tooleffect_republish"
 INTERNAL_FIELDS = (TOKEN_FIELD, FORGED_FIELD, FENCING_TOKEN_FIELD, APPROVED_FIELD)
 
 

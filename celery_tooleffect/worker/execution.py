@@ -27,17 +27,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
+from kombu.serialization import dumps, loads
 
 from ..effect import ToolEffect
 from ..errors import (
     ApprovalRequired,
     AttemptInProgress,
     AuditPersistenceFailed,
+    CallIdConflict,
+    DeadLettered,
     EffectRelabelRefused,
     IntentNotDurable,
     IntentNotRecorded,
@@ -49,11 +52,12 @@ from ..errors import (
     StoreUnavailable,
 )
 from ..events import AuditEvent
-from ..failures import FailureClass
+from ..failures import FailureClass, is_no_side_effect
+from ..identity import call_digest, conflict_text, publish_digest
 from ..reconciliation import ReconcileStatus, Reconciliation
 from ..store import states
 from ..store.audit import describe_payload
-from ..store.dead_letters import DeadLetterReason
+from ..store.dead_letters import DeadLetterReason, conflict_letter_id
 from ..store.journal import Begin
 from ..store.leases import Leases, LeaseVerdict
 from ..store.runtime import ToolRuntime
@@ -68,6 +72,7 @@ from .attempt import (
     forged_headers,
     new_token,
 )
+from .children import body_of
 from .faults import crash_point
 from .heartbeat import Heartbeat, LeasePlan, plan_leases
 from .letters import begin_dead_letter, build_letter
@@ -165,10 +170,39 @@ class Execution:
                             args=self.args, kwargs=self.kwargs,
                             classify=self.runtime.classifier.classify) as span:
             self._check_message()
-            if not self.attempt.effect.is_write:
+            if not self.attempt.effect.is_write and not self._recorded_as_write():
                 return span.succeeded(self._run_read_only())
             self._check_approval()
             return span.succeeded(self._run_write())
+
+    def _recorded_as_write(self) -> bool:
+        """Whether a redelivered READ_ONLY call is recorded in the journal as a
+        write (by a release that declares the tool a write): then it is handled
+        under the recorded effect (the strictest effect wins, docs/identity.md).
+
+        Only a redelivery asks (kombu's Redis restore and RabbitMQ mark it),
+        so a read's first delivery pays no round trip for this. A journal that
+        cannot be read leaves the question open: the call is not run now.
+        """
+        attempt = self.attempt
+        if not attempt.redelivered or attempt.interactive:
+            return False
+        try:
+            recorded = self.runtime.journal.recorded_effect(attempt.ref)
+        except StoreUnavailable as store_down:
+            failed = IntentNotRecorded(
+                f"{self.label} not run: redelivered, and whether a release recorded it as a "
+                f"write cannot be read: {store_down}"
+            )
+            raise self._after_failure(
+                failed, FailureClass.CONNECTION, attempt.retries + 1, body_started=False,
+            ) from None
+        if recorded is None or not recorded.is_write:
+            return False
+        logger.warning("%s is declared %s here but recorded %s by another release: handled "
+                       "as %s", self.label, attempt.effect.value, recorded.value, recorded.value)
+        self.attempt = replace(attempt, effect=recorded)
+        return True
 
     def _check_approval(self) -> None:
         """Run a call that needs approval only when the store says it was approved.
@@ -227,7 +261,8 @@ class Execution:
         for boundary in ("before_intent", "after_intent", "in_body"):  # a read has no intent
             crash_point(boundary, attempt.name)
         try:
-            result = tool_body(self.tool)(*self.args, **self.kwargs)
+            with body_of(attempt.task_id, attempt.run_id):
+                result = tool_body(self.tool)(*self.args, **self.kwargs)
             crash_point("before_outcome", attempt.name)
         except Retry as requested:
             runtime.audit.record_step(_requested_retry_event(attempt, number, requested))
@@ -268,6 +303,9 @@ class Execution:
         begin = self._begin(plan)
         if isinstance(begin, Reconciliation):
             return begin.result  # the interrupted attempt's write happened
+        if isinstance(begin, KeptResult):
+            return begin.value  # a child that ran in an earlier attempt of its parent
+        attempt = self.attempt  # the effect it is handled under may be stricter
         # What the body reads as self.fencing_token.
         setattr(self.request, FENCING_TOKEN_FIELD, begin.fencing_token)
         telemetry.step("intent recorded", **{"tooleffect.fencing_token": begin.fencing_token})
@@ -276,7 +314,7 @@ class Execution:
         started = time.monotonic()
         try:
             try:
-                with self._heartbeat(plan):
+                with self._heartbeat(plan), body_of(attempt.task_id, attempt.run_id):
                     crash_point("in_body", attempt.name)
                     result = tool_body(self.tool)(*self.args, **self.kwargs)
                     crash_point("before_outcome", attempt.name)
@@ -292,6 +330,7 @@ class Execution:
                 JournalState.RETRY_SCHEDULED,
                 _requested_retry_event(attempt, number, requested),
                 cause=requested, ending=Ending.REQUESTED,
+                fields=self._retried_with(requested),
             )
             raise
         except (Ignore, Reject):
@@ -313,6 +352,7 @@ class Execution:
                 attempt.ref, new_state=JournalState.SUCCEEDED,
                 allowed=states.SUCCEED_FROM, token=attempt.token, event=event,
                 earlier_copy=begin.intent_event, result=stored,
+                fields=self._kept(result) if attempt.interactive else None,
             )
         except StoreUnavailable as store_down:
             telemetry.audit_write_failed("write", attempt.effect.value)
@@ -398,7 +438,9 @@ class Execution:
             if telemetry.ENABLED else None,
         )
 
-    def _begin(self, plan: LeasePlan, *, resume: bool = False) -> Begin | Reconciliation:
+    def _begin(
+        self, plan: LeasePlan, *, resume: bool = False,
+    ) -> Begin | Reconciliation | KeptResult:
         """Record the intent of a write, or end this delivery without running it;
         for an interrupted NON_IDEMPOTENT_WRITE whose tool reconciles, what its
         ``reconcile`` found applied (``resume``: it found the write not applied)."""
@@ -420,6 +462,8 @@ class Execution:
                     effect=attempt.effect.value,
                     lease_end=plan.journal_lease_end,
                     attempts_allowed=self.policy.attempts_allowed,
+                    tool=attempt.name,
+                    call_digest=self._digest(),
                     resume_interrupted=resume,
                     event=intent,
                     broker_lease=with_intent,
@@ -455,6 +499,11 @@ class Execution:
             )
 
         verdict = begin.verdict
+        self._handle_as(begin.effect)
+        if verdict is Verdict.CONFLICT:
+            raise self._conflict(begin)
+        if verdict is Verdict.DONE and attempt.interactive and begin.kept_content_type:
+            return KeptResult(self._unkept(begin))
         if verdict is Verdict.STARTED:
             if with_intent is not None:
                 telemetry.step("lease secured", **{"tooleffect.lease_until": deadline_end})
@@ -482,7 +531,7 @@ class Execution:
             FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
         )
 
-    def _reconcile(self, begin: Begin, plan: LeasePlan) -> Begin | Reconciliation:
+    def _reconcile(self, begin: Begin, plan: LeasePlan) -> Begin | Reconciliation | KeptResult:
         """An interrupted NON_IDEMPOTENT_WRITE: ask the tool's ``reconcile``
         whether its write happened, and end as it says.
 
@@ -554,6 +603,94 @@ class Execution:
             raise LeaseLost(f"{self.label}: settled by another delivery while reconciling")
         return answer
 
+    # -- call identity (docs/identity.md) ----------------------------------------
+
+    def _digest(self) -> str:
+        """The digest of this call's arguments (:mod:`celery_tooleffect.identity`):
+        of the decoded ones for a queued call; an interactive call's go through
+        the app's serializer first, which raises what Celery's publish would
+        for arguments it cannot encode, before anything runs."""
+        digest = self.__dict__.get("_call_digest")
+        if digest is None:
+            if self.attempt.interactive:
+                digest = publish_digest(self.args, self.kwargs, self._serializer)
+            else:
+                digest = call_digest(self.args, self.kwargs)
+            self.__dict__["_call_digest"] = digest
+        return digest
+
+    @property
+    def _serializer(self) -> str:
+        return str(getattr(self.tool, "serializer", None) or "json")
+
+    def _handle_as(self, recorded: str) -> None:
+        """Handle this call under the effect the journal decided (the stricter
+        of the declared one and one recorded by another release)."""
+        if recorded and recorded != self.attempt.effect.value:
+            effect = ToolEffect.coerce(recorded)
+            logger.warning("%s is declared %s here but recorded %s by another release: "
+                           "handled as %s", self.label, self.attempt.effect.value,
+                           effect.value, effect.value)
+            self.attempt = replace(self.attempt, effect=effect)
+
+    def _conflict(self, begin: Begin) -> BaseException:
+        """The task id is another call's: refused, changing nothing of that call.
+
+        Interactive: raised. Queued: a dead letter ``call_id_conflict`` under an
+        id of its own, the journal untouched, and no result stored (the task
+        id's result is the first call's)."""
+        attempt = self.attempt
+        conflict = "tool" if begin.detail == "tool" else "arguments"
+        refused = CallIdConflict(
+            conflict_text(attempt.task_id, attempt.name, begin.recorded_tool, conflict),
+            task_id=attempt.task_id, tool=attempt.name, recorded_tool=begin.recorded_tool,
+            conflict=conflict,
+        )
+        if attempt.interactive:
+            return refused
+        ending = self._dead_letter(
+            DeadLetterReason.CALL_ID_CONFLICT, refused, FailureClass.CLIENT_ERROR,
+            owned=False, attempts=0, journalled=False,
+            letter_id=conflict_letter_id(attempt.task_id, self._digest()),
+        )
+        if isinstance(ending, DeadLettered):
+            ending.keep_result = True
+        return ending
+
+    def _kept(self, result: Any) -> dict[str, str] | None:
+        """An interactive call's result, kept in its journal entry: a tool called
+        in a tool's body answers with it when its parent runs again."""
+        serializer = getattr(getattr(self.tool, "app", None), "conf", {}).get(
+            "result_serializer") or "json"
+        try:
+            content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
+                result, serializer=serializer)
+        except Exception as exc:
+            logger.info("%s: result not kept (%s): a call again answers without it",
+                        self.label, exc)
+            return None
+        text = data.decode("latin-1") if isinstance(data, bytes) else data
+        return {"result": text, "result_type": f"{content_type} {encoding}"}
+
+    def _unkept(self, begin: Begin) -> Any:
+        content_type, _, encoding = begin.kept_content_type.partition(" ")
+        # Kept as text (_kept): a binary encoding went through latin-1.
+        kept = begin.kept_result.decode("utf-8")
+        data: bytes | str = kept if encoding == "utf-8" else kept.encode("latin-1")
+        return loads(  # type: ignore[no-untyped-call]
+            data, content_type, encoding, accept={content_type}, force=True)
+
+    def _retried_with(self, requested: Retry) -> dict[str, str] | None:
+        """The new digest of a retry the tool asked for with other arguments
+        (``self.retry(args=...)``): its own decision, so it is the same call."""
+        sig = getattr(requested, "sig", None)
+        if sig is None:
+            return None
+        args, kwargs = tuple(sig.args or ()), dict(sig.kwargs or {})
+        if args == tuple(self.args) and kwargs == self.kwargs:
+            return None
+        return {"call_digest": publish_digest(args, kwargs, self._serializer)}
+
     # -- endings: each returns the exception that ends the call ----------------
 
     def _after_failure(
@@ -578,7 +715,11 @@ class Execution:
         )
         if attempt.interactive:
             if journalled:
-                self._settle(JournalState.FAILED, outcome, cause=exc)
+                # A non-idempotent write that failed may have written: it is
+                # not run again under its id (a tool called in a tool's body,
+                # whose parent runs again) unless it says it wrote nothing.
+                self._settle(JournalState.FAILED, outcome, cause=exc, fields={
+                    "no_side_effect": "1" if is_no_side_effect(exc) else "0"})
             exc.__dict__.setdefault("failure_class", failure_class.value)
             setattr(exc, AUDITED_MARK, True)
             return exc
@@ -620,13 +761,14 @@ class Execution:
     def _settle(
         self, state: JournalState, event: AuditEvent, *,
         cause: Exception, ending: Ending | None = None,
+        fields: Mapping[str, str] | None = None,
     ) -> None:
         """Record a failed attempt's outcome; fail closed when it cannot be stored."""
         attempt = self.attempt
         try:
             moved = self.runtime.journal.transition(
                 attempt.ref, new_state=state, allowed=states.SETTLE_FROM,
-                token=attempt.token, event=event, ending=ending,
+                token=attempt.token, event=event, ending=ending, fields=fields,
             )
         except StoreUnavailable as store_down:
             raise AuditPersistenceFailed(
@@ -710,6 +852,7 @@ class Execution:
         outcome_event: AuditEvent | None = None,
         allowed: frozenset[JournalState] | None = None,
         journalled: bool = True,
+        letter_id: str | None = None,
     ) -> BaseException:
         """Decide the dead letter of a queued run (``exc`` itself for an interactive one).
 
@@ -725,6 +868,8 @@ class Execution:
             attempt, reason=reason, failure_class=failure_class, exc=exc,
             attempts=attempts, body_completed=body_completed,
         )
+        if letter_id is not None:
+            letter = replace(letter, task_id=letter_id)
         event = outcome_event or attempt.context.event(
             "outcome", reason.value, attempt=attempts or None, exception=exc,
             failure_class=failure_class.value,
@@ -741,6 +886,14 @@ class Execution:
         return describe_payload(
             self.runtime.settings.privacy, args=self.args, kwargs=self.kwargs, **values
         )
+
+
+@dataclass(frozen=True)
+class KeptResult:
+    """What ``_begin`` answers for an interactive call that ended before (a tool
+    called in a tool's body whose parent runs again): its kept result."""
+
+    value: Any
 
 
 def reconciler(tool: Any) -> Callable[..., Any] | None:

@@ -153,6 +153,14 @@ class ToolRequest(Request):  # type: ignore[misc]
         decided = isinstance(exc, DeadLettered) and exc.pending_letter is not None
         if decided and not self._store_decided_letter(exc):
             return None
+        if decided and exc.keep_result:
+            # A call-id conflict: the task id's result is another call's, and
+            # Celery's failure handler would overwrite it (mark_as_failure).
+            self._tooleffect_done = True
+            worker_state.task_ready(self)
+            self.send_event("task-rejected", requeue=False)
+            self.reject(requeue=False)
+            return None
         if not isinstance(exc, (Reject, Retry, Ignore, Terminated, MemoryError)):
             # Every ending a tool decides is a Retry, a Reject or an Ignore:
             # this failure came from outside its decisions (the result backend

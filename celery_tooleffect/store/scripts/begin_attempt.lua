@@ -15,19 +15,33 @@
 --         write not applied: a non-idempotent write may then start again
 -- ARGV[9] with KEYS[4..5]: the message's delivery tag ('' without)
 -- ARGV[10] with KEYS[4..5]: its new unacked_index score ('' without)
--- ARGV[11..] event field/value pairs
+-- ARGV[11] the tool's name    ARGV[12] the digest of the call's arguments
+-- ARGV[13..] event field/value pairs
 --
--- Returns {verdict, attempt, detail}:
+-- A call is bound to its tool and arguments: the first intent records both,
+-- and a delivery of the same task id under another tool, or with other
+-- arguments, is a conflict (nothing is changed). The effect the entry
+-- records wins when it is stricter than ARGV[4] (a worker of an older
+-- release declaring less), and the stricter one is recorded.
+--
+-- Returns {verdict, attempt, detail, effect, ...}, effect being the one the
+-- delivery is handled under:
 --   started         the body may run (detail: 'new', 'reclaimed' or
 --                   'reconciled'), then also
 --                   the attempt's fencing token: the entry's 'fence' counter,
 --                   raised by one for each attempt started and never reset
 --                   (a replay keeps it), recorded in the intent event
+--   conflict        the task id is another call's (detail: 'tool' or
+--                   'arguments'), then also the tool recorded for it
 --   done            the outcome is recorded already: acknowledge, do not run
+--                   (then also the result and its content type, when an
+--                   interactive call kept them: a tool called in a tool)
 --   dead_lettered   the task is a dead letter already: acknowledge, do not run
 --   dead_lettering  a dead letter was begun and not finished (detail: reason)
 --   owned           a live owner runs it (detail: its lease end)
 --   interrupted     a non-idempotent write started and never finished
+--                   (detail 'failed': an interactive one raised, not
+--                   marked NoSideEffect)
 --   not_run         it ended without running (revoked or expired): do not run
 --   exhausted       the attempt budget is spent (then also: how many earlier
 --                   attempts failed, were interrupted, asked for a retry)
@@ -40,16 +54,32 @@ local journal, stream, seq = KEYS[1], KEYS[2], KEYS[3]
 local token, now, lease_end = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local effect, allowed, ttl, maxlen = ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
 local resume = ARGV[8] == '1'
-local fields = slice(ARGV, 11, #ARGV)
+local tool, digest = ARGV[11], ARGV[12]
+local fields = slice(ARGV, 13, #ARGV)
 
 local current = redis.call('HMGET', journal, 'state', 'attempt', 'owner', 'lease_end', 'reason',
-  'fence')
+  'fence', 'tool', 'call_digest', 'effect')
 local state, attempt, owner = current[1], tonumber(current[2] or '0'), current[3]
 local owner_lease_end, pending_reason = tonumber(current[4] or '0'), current[5]
 
+-- The strictest effect wins (an unknown name counts as the strictest).
+local strictness = {read_only = 0, idempotent_write = 1, non_idempotent_write = 2}
+local recorded_effect = current[9]
+if recorded_effect and (strictness[recorded_effect] or 2) > (strictness[effect] or 2) then
+  effect = recorded_effect
+end
+
+-- The same task id for another call: refused before anything else, changing nothing.
+if current[7] and current[7] ~= tool then
+  return {'conflict', attempt, 'tool', effect, current[7]}
+end
+if current[8] and digest ~= '' and current[8] ~= digest then
+  return {'conflict', attempt, 'arguments', effect, current[7] or tool}
+end
+
 -- A re-sent begin of the attempt we already own (a reconnect retried it).
 if state == 'running' and owner == token then
-  return {'started', attempt, 'same', current[6] or '0'}
+  return {'started', attempt, 'same', effect, current[6] or '0'}
 end
 
 -- The broker lease of a write with a deadline, before anything else is
@@ -58,10 +88,10 @@ end
 -- Redis); a refused lease decides nothing and records nothing.
 if #KEYS >= 5 then
   if redis.call('EXISTS', KEYS[4]) == 1 then
-    return {'lease_busy', attempt, ''}
+    return {'lease_busy', attempt, '', effect}
   end
   if not redis.call('ZSCORE', KEYS[5], ARGV[9]) then
-    return {'lease_lost', attempt, ''}
+    return {'lease_lost', attempt, '', effect}
   end
   redis.call('ZADD', KEYS[5], 'XX', 'GT', ARGV[10], ARGV[9])
 end
@@ -69,26 +99,27 @@ end
 if state == 'succeeded' then
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'duplicate_ignored', status = 'succeeded', attempt = attempt})
-  return {'done', attempt, ''}
+  local kept = redis.call('HMGET', journal, 'result', 'result_type')
+  return {'done', attempt, '', effect, kept[1] or '', kept[2] or ''}
 end
 if state == 'dead_lettered' then
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'duplicate_ignored', status = 'dead_lettered', attempt = attempt})
-  return {'dead_lettered', attempt, ''}
+  return {'dead_lettered', attempt, '', effect}
 end
 if state == 'not_run' then
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'duplicate_ignored', status = 'not_run', attempt = attempt})
-  return {'not_run', attempt, ''}
+  return {'not_run', attempt, '', effect}
 end
 if state == 'dead_lettering' then
-  return {'dead_lettering', attempt, pending_reason or ''}
+  return {'dead_lettering', attempt, pending_reason or '', effect}
 end
 
 local detail = 'new'
 if state == 'running' then
   if owner_lease_end > now then
-    return {'owned', attempt, tostring(owner_lease_end)}
+    return {'owned', attempt, tostring(owner_lease_end), effect}
   end
   -- The owner's lease lapsed without an outcome: its worker is gone.
   state = 'interrupted'
@@ -98,28 +129,36 @@ if state == 'running' then
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'interrupted', status = 'lease_lapsed', attempt = attempt})
   if effect == 'non_idempotent_write' and not resume then
-    return {'interrupted', attempt, 'lease_lapsed'}
+    return {'interrupted', attempt, 'lease_lapsed', effect}
   end
   detail = resume and 'reconciled' or 'reclaimed'
 elseif state == 'interrupted' then
   if effect == 'non_idempotent_write' and not resume then
-    return {'interrupted', attempt, 'interrupted'}
+    return {'interrupted', attempt, 'interrupted', effect}
   end
   detail = resume and 'reconciled' or 'reclaimed'
+elseif state == 'failed' and effect == 'non_idempotent_write' and not resume
+    and redis.call('HGET', journal, 'no_side_effect') == '0' then
+  -- An interactive non-idempotent write that raised may have written (a tool
+  -- called in a tool's body, its parent now running again): never again.
+  return {'interrupted', attempt, 'failed', effect}
 end
 
 if attempt >= allowed then
   local ended = redis.call('HMGET', journal, 'ended_failed', 'ended_interrupted',
     'ended_requested')
-  return {'exhausted', attempt, detail, ended[1] or '0', ended[2] or '0', ended[3] or '0'}
+  return {'exhausted', attempt, detail, effect, ended[1] or '0', ended[2] or '0', ended[3] or '0'}
 end
 
 attempt = attempt + 1
 local fence = redis.call('HINCRBY', journal, 'fence', 1)
 redis.call('HSET', journal, 'state', 'running', 'attempt', attempt, 'owner', token,
-  'lease_end', lease_end, 'effect', effect, 'updated_at', ARGV[2])
+  'lease_end', lease_end, 'effect', effect, 'updated_at', ARGV[2], 'tool', tool)
+if digest ~= '' then
+  redis.call('HSET', journal, 'call_digest', digest)
+end
 redis.call('EXPIRE', journal, ttl)
 append_event(stream, seq, maxlen, ttl, fields,
   {phase = 'intent', status = 'started', attempt = attempt, reclaimed = detail,
-   fencing_token = fence})
-return {'started', attempt, detail, tostring(fence)}
+   fencing_token = fence, effect = effect})
+return {'started', attempt, detail, effect, tostring(fence)}
