@@ -30,8 +30,9 @@ from redis.crc import key_slot
 
 from celery_tooleffect import AuditLog, ToolEffect, ToolTask
 from celery_tooleffect.failures import FailureClass, FailureClassifier, NoSideEffect
+from celery_tooleffect.identity import call_digest
 from celery_tooleffect.store.audit import describe_payload
-from celery_tooleffect.store.dead_letters import DeadLetter, DeadLetters
+from celery_tooleffect.store.dead_letters import DeadLetter, DeadLetters, conflict_letter_id
 from celery_tooleffect.store.keys import Keys, hash_tag
 from tests.conftest import Counter, running_worker, wait_for
 from tests.test_bad_messages import broker_is_empty, publish
@@ -498,16 +499,23 @@ def test_a_producer_cannot_replay_an_ended_write_by_publishing_it_again(
     assert done.get(timeout=20) == "ok"
     failed = tool.delay("fail after the write")
     wait_for(lambda: DeadLetters(app).get(failed.id), what="the dead letter")
-    for task_id in (done.id, failed.id):
+    for task_id, arg in ((done.id, "once"), (failed.id, "fail after the write")):
         assert counter.value(task_id) == 1
-        publish(app, (["again"], {}, EMBED), headers_for(app, task_id, retries=0),
+        publish(app, ([arg], {}, EMBED), headers_for(app, task_id, retries=0),
                 serializer="json")
         wait_for(lambda task_id=task_id: any(
             e["phase"] == "duplicate_ignored" for e in AuditLog(app).events(task_id)),
             what="the duplicate to be ignored")
         for forged in ("tooleffect_replay", "tooleffect_token", "tooleffect_state"):
             again = headers_for(app, task_id, **{forged: "1"})
-            publish(app, (["again"], {}, EMBED), again, serializer="json")
+            publish(app, ([arg], {}, EMBED), again, serializer="json")
+        # With other arguments it is another call under a borrowed id: a
+        # conflict (docs/identity.md), not a run.
+        publish(app, (["again"], {}, EMBED), headers_for(app, task_id, retries=0),
+                serializer="json")
+        wait_for(lambda task_id=task_id: DeadLetters(app).get(
+            conflict_letter_id(task_id, call_digest(["again"], {}))),
+            what="the conflict's dead letter")
         wait_for(lambda: broker_is_empty(app, main_redis), what="the copies to be dropped")
         assert counter.value(task_id) == 1
     assert_still_working(tool)

@@ -256,6 +256,34 @@ def test_grandchildren_keep_their_ids_when_the_grandparent_retries(
         wait_for(lambda c=child: runs(client, prefix, f"n-inner-{c}") == 1, what=child)
 
 
+def test_a_non_idempotent_child_that_raised_is_not_run_again_by_its_retried_parent(
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
+) -> None:
+    start()
+    result = app.tasks["ident.flaky_parent"].apply_async(("f",))
+    letter = wait_for(lambda: DeadLetters(app).get(result.id), timeout=30, what="the letter")
+    assert runs(client, prefix, "f") == 1  # the child charged once
+    assert runs(client, prefix, "f-parent") == 2  # retried once for the child's error
+    assert letter.exception_type == "InterruptedWrite" and "may have written" in letter.error
+
+
+def test_children_with_step_keys_keep_their_ids_in_any_order(
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
+) -> None:
+    start()
+    stepped = app.tasks["ident.stepped"]
+    result = stepped.apply_async(("s", ["a", "b"], 1))
+    ids = result.get(timeout=60)
+    assert ids == [child_task_id(result.id, "ident.charge", "@a"),
+                   child_task_id(result.id, "ident.charge", "@b")]
+    for step in ("a", "b"):
+        wait_for(lambda s=step: app.AsyncResult(child_task_id(
+            result.id, "ident.charge", f"@{s}")).state == "SUCCESS", what=step)
+        assert runs(client, prefix, f"s-{step}") == 1
+    with pytest.raises(InvalidCallId, match="step="):
+        app.tasks["ident.charge"].apply_async(("x",), step="outside a body")
+
+
 # -- bad input ---------------------------------------------------------------------------
 
 

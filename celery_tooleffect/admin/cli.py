@@ -18,14 +18,16 @@ takes ``-A/--app`` itself. Commands::
     approvals stats [--json]
     audit show RUN_ID [--json]
     audit tail [--count N] [--follow] [--json]
+    tools [--json]
     flower [flower options]
 
 Filters (``list``, and ``replay``/``purge`` with ``--all``): ``--queue``,
 ``--dead-letter-reason``, ``--failure-class``, ``--effect``. ``--reason`` is
 only ever the operator's why, written in the audit event of a replay or purge.
 
-Exit codes: 0 done; 1 refused, not found, or the store could not be reached;
-2 usage error (click's own). A store that is down or refuses, a broker that is
+Exit codes: 0 done; 1 refused, not found, or the store could not be reached
+(``audit verify``: a chain broken; ``tools``: live workers disagree about a
+tool's effect); 2 usage error (click's own). A store that is down or refuses, a broker that is
 down, or invalid settings end any command with one line on stderr (which
 store, its URL without password, and the error) and exit code 1, never a
 traceback: every command is a :class:`StoreCommand`.
@@ -64,7 +66,7 @@ EXIT_REFUSED = 1
 
 _REASONS = (
     "not_retryable", "retries_exhausted", "interrupted_write", "unknown_task",
-    "undecodable_message", "malformed_message", "revoked",
+    "undecodable_message", "malformed_message", "revoked", "call_id_conflict",
 )
 _CLASSES = (
     "connection", "rate_limit", "auth", "configuration", "client_error", "server_error",
@@ -887,6 +889,74 @@ def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool) -> N
             sys.stdout.flush()
     except KeyboardInterrupt:
         return
+
+
+# -- tools ---------------------------------------------------------------------------
+
+
+@tooleffect.command("tools", needs=STORE)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the documentation).")
+@click.pass_context
+def tools_command(ctx: click.Context, as_json: bool) -> None:
+    """List the tools live workers declare: each effect, and the workers (and
+    releases) declaring it. Exit code 1 when live workers disagree about a
+    tool's effect (a rolling upgrade that changes it: each call is then handled
+    under the strictest effect its journal recorded)."""
+    from ..store.declarations import EffectDeclarations, by_tool
+
+    workers = EffectDeclarations(_runtime(ctx).settings).live()
+    tools = by_tool(workers)
+    conflicts = [tool for tool in tools if tool.conflict]
+    if as_json:
+        _echo_json({
+            "tools": [{
+                "name": tool.name,
+                "effects": tool.effects,
+                "strictest": tool.strictest,
+                "conflict": tool.conflict,
+                "declared_by": [{"worker": d.worker, "release": d.release, "effect": d.effect}
+                                for d in tool.declarers],
+            } for tool in tools],
+            "workers": [{
+                "worker": w.worker, "release": w.release, "pid": w.pid,
+                "seen_at": w.seen_at, "expires_at": w.expires_at, "tools": dict(w.tools),
+            } for w in workers],
+            "conflicts": [tool.name for tool in conflicts],
+        })
+    elif not workers:
+        click.echo("No live worker declares any tool (a worker publishes its tools' effects "
+                   "when it starts, and again while it runs).")
+    else:
+        from ..admin.table import render, terminal_width
+
+        rows = []
+        for tool in tools:
+            for effect in tool.effects:
+                declarers = [d for d in tool.declarers if d.effect == effect]
+                rows.append([tool.name, effect, _releases(declarers), str(len(declarers)),
+                             ", ".join(d.worker for d in declarers),
+                             "CONFLICT" if tool.conflict else ""])
+        click.echo(render(["TOOL", "EFFECT", "RELEASE", "WORKERS", "DECLARED BY", "NOTE"], rows,
+                          shrink=["DECLARED BY", "TOOL"], optional=["DECLARED BY"]))
+        width = terminal_width()
+        for tool in conflicts:
+            said = "; ".join(
+                f"{effect} by {len(declarers)} worker(s) of release {_releases(declarers)}"
+                for effect in tool.effects
+                for declarers in [[d for d in tool.declarers if d.effect == effect]])
+            click.echo("\n" + textwrap.fill(
+                f"CONFLICT {tool.name}: {said}. A call its journal recorded as "
+                f"{tool.strictest} is handled as {tool.strictest} by every worker; finish "
+                "the upgrade or roll it back.", width=width))
+        click.echo(f"\n{len(tools)} tool(s), {len(workers)} live worker(s), "
+                   f"{len(conflicts)} conflict(s)")
+    if conflicts:
+        sys.exit(EXIT_REFUSED)
+
+
+def _releases(declarers: Iterable[Any]) -> str:
+    """The distinct releases of ``declarers`` (``-`` for a worker that names none)."""
+    return ", ".join(sorted({d.release or "-" for d in declarers}))
 
 
 # -- flower --------------------------------------------------------------------------

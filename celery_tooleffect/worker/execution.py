@@ -542,7 +542,8 @@ class Execution:
         """
         attempt, runtime = self.attempt, self.runtime
         check = reconciler(self.tool)
-        interrupted = f"{self.label} started and never finished"
+        interrupted = (f"{self.label} raised in an earlier call and may have written"
+                       if begin.detail == "failed" else f"{self.label} started and never finished")
         if check is None:
             raise self._dead_letter(
                 DeadLetterReason.INTERRUPTED_WRITE,

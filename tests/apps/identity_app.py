@@ -97,6 +97,28 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
             raise ConnectionError(f"{key}: the provider dropped the connection ({runs})")
         return [direct, applied, queued.id]
 
+    @app.task(base=ToolTask, name="ident.flaky_charge", shared=False,
+              effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    def flaky_charge(key: str) -> str:
+        count(key)
+        raise ConnectionError(f"{key}: the provider dropped the connection after charging")
+
+    @app.task(base=ToolTask, name="ident.flaky_parent", shared=False,
+              effect=ToolEffect.IDEMPOTENT_WRITE)
+    def flaky_parent(key: str) -> str:
+        """Retried for its child's ConnectionError; the child is not run again."""
+        count(f"{key}-parent")
+        return str(flaky_charge(key))
+
+    @app.task(base=ToolTask, name="ident.stepped", shared=False,
+              effect=ToolEffect.IDEMPOTENT_WRITE)
+    def stepped(key: str, order: list[str], fails: int = 0) -> list[str]:
+        """Publishes its children by step key, in the order given."""
+        ids = [charge.apply_async((f"{key}-{step}",), step=step).id for step in order]
+        if count(f"{key}-stepped") <= fails:
+            raise ConnectionError(f"{key}: dropped")
+        return ids
+
     @app.task(base=ToolTask, name="ident.nested", shared=False,
               effect=ToolEffect.IDEMPOTENT_WRITE)
     def nested(key: str, fails: int = 0) -> str:
