@@ -35,6 +35,31 @@ class ToolEffect(Choice):
         """False only for NON_IDEMPOTENT_WRITE: running it twice doubles its effect."""
         return self is not ToolEffect.NON_IDEMPOTENT_WRITE
 
+    @property
+    def strictness(self) -> int:
+        """0 for READ_ONLY, 1 for IDEMPOTENT_WRITE, 2 for NON_IDEMPOTENT_WRITE: the
+        order in which "the strictest effect wins" (``begin_attempt.lua`` ranks
+        the values the same way)."""
+        return _STRICTNESS[self]
+
+    @classmethod
+    def strictest(cls, *effects: ToolEffect | str | None) -> ToolEffect:
+        """The strictest of ``effects`` (members or values; None and '' are
+        skipped, so a journal entry without an effect changes nothing).
+        A value that is no effect counts as NON_IDEMPOTENT_WRITE, as an unknown
+        tool does. Raises ``ValueError`` when nothing is given."""
+        known = [cls._rank(effect) for effect in effects if effect]
+        if not known:
+            raise ValueError("strictest() of no effect")
+        return max(known, key=lambda effect: effect.strictness)
+
+    @classmethod
+    def _rank(cls, effect: ToolEffect | str) -> ToolEffect:
+        try:
+            return cls.coerce(effect)
+        except ValueError:
+            return cls.NON_IDEMPOTENT_WRITE
+
     def mcp_annotations(self, *, open_world: bool = True) -> dict[str, bool]:
         """The MCP tool annotations matching this effect (always all four hints).
 
@@ -48,6 +73,13 @@ class ToolEffect(Choice):
             "destructiveHint": self.is_write,
             "openWorldHint": open_world,
         }
+
+
+_STRICTNESS = {
+    ToolEffect.READ_ONLY: 0,
+    ToolEffect.IDEMPOTENT_WRITE: 1,
+    ToolEffect.NON_IDEMPOTENT_WRITE: 2,
+}
 
 
 @runtime_checkable

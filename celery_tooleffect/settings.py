@@ -7,6 +7,8 @@ back to a default, and no setting may relabel a tool's effect.
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,6 +47,8 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_store_replicas": None,
     "tooleffect_store_fsync": False,
     "tooleffect_store_wait_timeout": 1.0,
+    # None: the version of the app's distribution, if found (default_release).
+    "tooleffect_release": None,
 }
 
 
@@ -91,6 +95,9 @@ class Settings:
     store_fsync: bool = False
     #: Seconds WAIT / WAITAOF may block before the intent counts as not durable.
     store_wait_timeout: float = 1.0
+    #: The release of the code the workers run (``tooleffect_release``), published
+    #: with the effects a worker declares ('' when unknown).
+    release: str = ""
 
     @property
     def store_endpoint(self) -> RedisEndpoint:
@@ -224,7 +231,25 @@ def _read(app: Celery) -> Settings:
         store_replicas=replicas,
         store_fsync=fsync,
         store_wait_timeout=wait_timeout,
+        release=(default_release(app) if conf.get("tooleffect_release") is None
+                 else str(conf.get("tooleffect_release"))),
     )
+
+
+def default_release(app: Celery) -> str:
+    """The release of ``app``'s code when ``tooleffect_release`` is not set: the
+    version of the installed distribution named like the top-level package of
+    the app's main module (``Celery("agent.tasks")``: distribution ``agent``),
+    else that package's ``__version__`` when it is imported, else ''."""
+    top = str(app.main or "").split(".")[0]
+    if not top or top == "__main__":
+        return ""
+    try:
+        return importlib.metadata.version(top)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        pass
+    version = getattr(sys.modules.get(top), "__version__", None)
+    return version if isinstance(version, str) else ""
 
 
 def _durability(conf: Any, get: Any, store: RedisEndpoint) -> tuple[int, bool, float]:

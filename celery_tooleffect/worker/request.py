@@ -127,6 +127,24 @@ class ToolRequest(Request):  # type: ignore[misc]
             retries=int(fields.get("retries") or 0),
         )
 
+    def _as_recorded(self, attempt: Attempt) -> tuple[Attempt, str, bool]:
+        """What the journal says of ``attempt``, of a tool that declares less than
+        NON_IDEMPOTENT_WRITE: ``attempt`` under the strictest of its declared
+        effect and the one its entry records (a release that declares the tool
+        stricter recorded it; the pool process then ran it under that effect),
+        the entry's state ('absent' without one), and whether this delivery's
+        attempt owns the entry (running under its token).
+
+        One read. Raises :class:`StoreUnavailable` when the entry cannot be read.
+        """
+        entry = self.runtime.journal.read(attempt.ref)
+        state = entry.get("state") or JournalState.ABSENT.value
+        owned = state == JournalState.RUNNING.value and entry.get("owner") == attempt.token
+        effect = ToolEffect.strictest(attempt.effect, entry.get("effect"))
+        if effect is not attempt.effect:
+            attempt = replace(attempt, effect=effect)
+        return attempt, state, owned
+
     # -- endings decided here -------------------------------------------------
 
     def on_failure(
@@ -203,17 +221,46 @@ class ToolRequest(Request):  # type: ignore[misc]
         return super().send_event(type, **fields)
 
     def _on_interrupted(self, exc: BaseException, why: str | None = None) -> None:
-        """The child died, hit its hard limit, or failed outside the tool's decisions."""
+        """The child died, hit its hard limit, or failed outside the tool's decisions.
+
+        Decided under the strictest of the effect the tool declares and the one
+        its journal entry records (:meth:`_as_recorded`): the pool process of a
+        worker whose release declares less runs an attempt that a stricter
+        release recorded under the recorded effect, with this delivery's owner
+        token, so such an attempt recorded NON_IDEMPOTENT_WRITE becomes a dead
+        letter INTERRUPTED_WRITE here too, even when this release's code says
+        READ_ONLY. When the entry cannot be read, which effect the attempt ran
+        under is unknown: the message is kept (requeued) and its next delivery
+        is settled by the journal.
+        """
         self._tooleffect_done = True
         runtime = self.runtime
         attempt = self._attempt()
         why = why or ("time_limit" if isinstance(exc, TimeLimitExceeded) else "worker_lost")
+        # A tool that declares NON_IDEMPOTENT_WRITE is as strict as it gets: its
+        # fenced transition below is the one round trip it pays. The others read
+        # the entry first (this path is rare; a read's ordinary paths pay nothing).
+        owned = True
+        if attempt.effect is not ToolEffect.NON_IDEMPOTENT_WRITE:
+            try:
+                attempt, state, owned = self._as_recorded(attempt)
+            except StoreUnavailable as store_down:
+                logger.error("%s[%s] interrupted (%s) and its journal cannot be read, keeping "
+                             "the message for the journal to settle: %s", self.name, self.id,
+                             why, store_down)
+                worker_state.task_ready(self)
+                self.reject(requeue=True)
+                return
+            if state in states.SETTLED:
+                worker_state.task_ready(self)
+                self.acknowledge()
+                return
         failure_class = runtime.classifier.classify(exc)
         event = attempt.context.event(
             "interrupted", why, exception=exc, failure_class=failure_class.value
         )
         body_started = True
-        if attempt.effect.is_write:
+        if owned:
             try:
                 moved = runtime.journal.transition(
                     attempt.ref, new_state=JournalState.INTERRUPTED,
@@ -230,6 +277,10 @@ class ToolRequest(Request):  # type: ignore[misc]
                     self.acknowledge()
                     return
                 body_started = bool(moved)
+        elif attempt.effect.is_write:
+            # Another attempt owns the entry, or none began: the journal settles
+            # the next delivery.
+            body_started = False
         else:
             runtime.audit.record_step(event)
 
@@ -273,9 +324,27 @@ class ToolRequest(Request):  # type: ignore[misc]
         return super()._announce_revoked(reason, terminated, signum, expired)
 
     def _record_revoked(self, *, terminated: bool, expired: bool, signum: Any) -> bool:
-        """Record how a revoked task ended; True when its message must be kept."""
+        """Record how a revoked task ended; True when its message must be kept.
+
+        Decided, as an interruption is, under the strictest of the declared
+        effect and the one the journal entry records (:meth:`_as_recorded`):
+        a READ_ONLY release's delivery of a call a stricter release recorded
+        ends as that write would.
+        """
         runtime = self.runtime
         attempt = self._attempt()
+        if attempt.effect is not ToolEffect.NON_IDEMPOTENT_WRITE:
+            try:
+                attempt, _, _ = self._as_recorded(attempt)
+            except StoreUnavailable as store_down:
+                if attempt.effect.is_write:
+                    raise  # as its transition would: the message is kept
+                # A read's message is not kept for want of the journal (Celery
+                # would deliver it, find it revoked and end here again, for as
+                # long as the store is away); it ends without running, as a read.
+                logger.error("%s[%s] revoked; whether a release recorded it as a write "
+                             "cannot be read, ending it as a read: %s", self.name, self.id,
+                             store_down)
         cause = "expired" if expired else "revoked"
         not_run = attempt.context.event("outcome", "not_run", cause=cause)
         if not attempt.effect.is_write:
@@ -354,8 +423,11 @@ class ToolRequest(Request):  # type: ignore[misc]
         pending: PendingLetter = rejection.pending_letter
         rejection.pending_letter = None
         letter = replace(pending.letter, message=MessageEnvelope.of_message(self._message))
+        # The pool process decided under the effect the journal made it use,
+        # which the letter carries (stricter than the declared one, or it).
+        attempt = replace(self._attempt(), effect=ToolEffect.strictest(letter.effect))
         try:
-            finish_dead_letter(self.runtime, self._attempt(), letter, journalled=pending.journalled)
+            finish_dead_letter(self.runtime, attempt, letter, journalled=pending.journalled)
         except Exception as kept:
             # A later delivery finds the journal 'dead_lettering' and finishes it.
             logger.error("dead letter of %s[%s] not stored, requeueing the message: %s: %s",

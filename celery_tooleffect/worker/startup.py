@@ -34,18 +34,29 @@ error; one that only weakens it is warned about loudly:
   fsync asked for (``tooleffect_store_replicas``, ``tooleffect_store_fsync``)
   that the store cannot give, are refused; a store with replicas and no
   ``WAIT`` is warned about (:mod:`celery_tooleffect.worker.replication`).
+
+And one thing it keeps doing while it runs (:class:`DeclaredEffects`): it
+publishes the effect each of its tools declares, with its release
+(``tooleffect_release``), in the store
+(:mod:`celery_tooleffect.store.declarations`), and warns when another live
+worker declares one of its tools with another effect (a rolling upgrade that
+changes an effect: the journal then handles each call under the strictest
+effect it recorded).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from celery import bootsteps
 
-from ..errors import ConfigurationError
+from ..effect import ToolEffect
+from ..errors import ConfigurationError, StoreUnavailable
 from ..settings import Settings, settings_for
 from ..store.connections import client_for
+from ..store.declarations import EffectDeclarations, WorkerDeclaration, disagreements
 from ..store.runtime import runtime_for
 from .eviction import EvictionWatch, eviction_check
 from .heartbeat import heartbeat_interval
@@ -184,9 +195,129 @@ class StartupChecks(bootsteps.Step):  # type: ignore[misc]
         run_checks(worker.app)
 
 
+def declared_effects(app: Any) -> dict[str, str]:
+    """Each tool of ``app``'s registry, by name, with the effect its code declares."""
+    tools = {}
+    for name, task in app.tasks.items():
+        try:
+            effect = getattr(task, "tool_effect", None)
+        except Exception:  # a tool that cannot say: the worker refuses it elsewhere
+            continue
+        if isinstance(effect, ToolEffect):
+            tools[str(name)] = effect.value
+    return dict(sorted(tools.items()))
+
+
+class EffectDeclarer:
+    """Publishes what one worker declares and warns about live workers that
+    declare otherwise: each disagreement (tool, other worker, both effects)
+    once per worker process. :meth:`refresh` never raises."""
+
+    def __init__(self, store: EffectDeclarations, worker: str, *, release: str,
+                 tools: dict[str, str], ttl: float) -> None:
+        self.store = store
+        self.worker = worker
+        self.release = release
+        self.tools = tools
+        self.ttl = ttl
+        self.warned: set[tuple[str, str, str, str]] = set()
+        self._store_down = False
+
+    def refresh(self) -> None:
+        """Write this worker's entry again (pushing its lapse out) and warn
+        about new disagreements with the live entries read with it."""
+        try:
+            live = self.store.publish(self.worker, release=self.release, tools=self.tools,
+                                      ttl=self.ttl, pid=os.getpid())
+        except StoreUnavailable as exc:
+            if not self._store_down:  # once per outage, not once per tick
+                logger.warning("celery-tooleffect: the effects of %s's tools are not "
+                               "published: %s", self.worker, exc)
+            self._store_down = True
+            return
+        self._store_down = False
+        own = WorkerDeclaration(self.worker, self.release, self.tools)
+        for found in disagreements(own, live):
+            seen = (found.tool, found.other.worker, found.effect, found.other_effect)
+            if seen in self.warned:
+                continue
+            self.warned.add(seen)
+            strictest = ToolEffect.strictest(found.effect, found.other_effect).value
+            logger.warning(
+                "celery-tooleffect: tool %s is declared %s by this worker %s and %s by the "
+                "live worker %s. Releases disagree about its effect (a rolling upgrade?): "
+                "each call is handled under the strictest effect its journal recorded, so a "
+                "call recorded %s stays %s on every worker; finish the upgrade or roll it "
+                "back (celery -A app tooleffect tools lists the workers)",
+                found.tool, found.effect, own.label(), found.other_effect,
+                found.other.label(), strictest, strictest,
+            )
+
+    def withdraw(self) -> None:
+        """Delete this worker's entry (best effort: else it lapses)."""
+        try:
+            self.store.withdraw(self.worker)
+        except StoreUnavailable as exc:
+            logger.info("celery-tooleffect: the entry of %s in the declared effects is "
+                        "left to lapse: %s", self.worker, exc)
+
+
+class DeclaredEffects(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker step: an :class:`EffectDeclarer` on the worker's timer, in the
+    worker's main process. It publishes at start (before anything is
+    consumed), again every :attr:`interval` seconds, and deletes the entry
+    when the worker stops; the entry of a worker that died lapses
+    :attr:`lives` intervals after its last refresh."""
+
+    name = "celery_tooleffect.declared_effects"
+    requires = ("celery.worker.components:Timer",)
+
+    #: Seconds between two refreshes of a worker's entry (tests lower it).
+    interval = 30.0
+    #: Refreshes an entry outlives: a worker is presumed dead after this many
+    #: intervals without one.
+    lives = 3
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.tref: Any = None
+        self.declarer: EffectDeclarer | None = None
+
+    def start(self, worker: Any) -> None:
+        app = worker.app
+        tools = declared_effects(app)
+        if not tools:
+            return
+        try:
+            settings = settings_for(app)
+            self.declarer = EffectDeclarer(
+                EffectDeclarations(settings), str(worker.hostname), release=settings.release,
+                tools=tools, ttl=self.interval * self.lives,
+            )
+        except Exception as exc:  # never stops the worker
+            logger.warning("celery-tooleffect: declared effects are not published: %r", exc)
+            return
+        self.declarer.refresh()
+        self.tref = worker.timer.call_repeatedly(self.interval, self.declarer.refresh)
+
+    def stop(self, worker: Any) -> None:
+        if self.tref is not None:
+            self.tref.cancel()
+            self.tref = None
+        if self.declarer is not None:
+            self.declarer.withdraw()
+            self.declarer = None
+
+    def terminate(self, worker: Any) -> None:
+        # A cold shutdown calls this instead of stop (an embedded worker's
+        # too): the worker goes all the same, and so does its entry.
+        self.stop(worker)
+
+
 def install_startup_checks(app: Any) -> None:
-    """Add :class:`StartupChecks` and the eviction watch
-    (:class:`~celery_tooleffect.worker.eviction.EvictionWatch`) to the app's worker
-    steps (idempotent)."""
+    """Add :class:`StartupChecks`, the eviction watch
+    (:class:`~celery_tooleffect.worker.eviction.EvictionWatch`) and
+    :class:`DeclaredEffects` to the app's worker steps (idempotent)."""
     app.steps["worker"].add(StartupChecks)
     app.steps["worker"].add(EvictionWatch)
+    app.steps["worker"].add(DeclaredEffects)
