@@ -32,6 +32,7 @@ from .settings import refuse_unknown_settings
 from .store.runtime import ToolRuntime, runtime_for
 from .worker.approvals import install_approval_sweep
 from .worker.attempt import (
+    AGAIN_HEADER,
     CALL_ID_HEADER,
     FENCING_TOKEN_FIELD,
     REPUBLISH_OPTION,
@@ -273,6 +274,11 @@ class ToolTask(Task):  # type: ignore[misc]
         marked as such a republish: it claims no task id (``apply_async``)."""
         signature = without_internal_fields(super().signature_from_request(*args, **kwargs))
         signature.options[REPUBLISH_OPTION] = True
+        # Celery passes the request's headers on (Context.as_execution_options):
+        # the copy says it is one, so a READ_ONLY release asks the journal.
+        headers = signature.options.get("headers")
+        signature.options["headers"] = {**(headers if isinstance(headers, dict) else {}),
+                                        AGAIN_HEADER: "1"}
         return signature
 
     def retry(

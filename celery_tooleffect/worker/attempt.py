@@ -27,7 +27,12 @@ RUN_ID_HEADER = "tooleffect_run_id"
 #: The agent's own id of a tool call published with ``call_id=``
 #: (informational: the task id derived from it is the call's identity).
 CALL_ID_HEADER = "tooleffect_call_id"
-ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, CALL_ID_HEADER, REPLAY_HEADER})
+#: Set on every republish of a task from its own request (a retry, a
+#: deferral, ``ToolTask.signature_from_request``): the call may have run
+#: before, under another release's effect. It only makes a READ_ONLY worker
+#: ask the journal (one read), so a producer that sets it grants nothing.
+AGAIN_HEADER = "tooleffect_again"
+ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, CALL_ID_HEADER, REPLAY_HEADER, AGAIN_HEADER})
 #: Request fields the worker's main process adds for the pool process; never
 #: taken from a message.
 TOKEN_FIELD = "tooleffect_token"
@@ -103,6 +108,9 @@ class Attempt:
     redelivered: bool
     interactive: bool
     retries: int
+    #: Whether this delivery may not be the call's first: redelivered by the
+    #: broker, a retry, a deferral or a replay (:func:`delivered_again`).
+    again: bool = False
 
     @classmethod
     def of(
@@ -130,6 +138,7 @@ class Attempt:
             redelivered=bool((delivery_info or {}).get("redelivered")),
             interactive=interactive,
             retries=retries,
+            again=delivered_again(fields, delivery_info, retries),
         )
 
     @property
@@ -152,6 +161,19 @@ class Attempt:
             redelivered=self.redelivered,
             worker=worker_identity(),
         )
+
+
+def delivered_again(fields: Mapping[str, Any], delivery_info: Mapping[str, Any] | None,
+                    retries: int) -> bool:
+    """Whether a delivery may not be its call's first: the broker redelivered
+    it (kombu's Redis restore and RabbitMQ set ``redelivered``), Celery's
+    ``retries`` counts a retry, or the package republished it (a deferral:
+    :data:`AGAIN_HEADER`; a replay: ``REPLAY_HEADER``). A first delivery is
+    none of these: a read pays no journal read for it."""
+    return bool(
+        (delivery_info or {}).get("redelivered") or retries > 0
+        or fields.get(AGAIN_HEADER) or fields.get(REPLAY_HEADER)
+    )
 
 
 def idempotency_key(run_id: str, task_id: str) -> str:

@@ -176,22 +176,24 @@ class Execution:
             return span.succeeded(self._run_write())
 
     def _recorded_as_write(self) -> bool:
-        """Whether a redelivered READ_ONLY call is recorded in the journal as a
-        write (by a release that declares the tool a write): then it is handled
-        under the recorded effect (the strictest effect wins, docs/identity.md).
+        """Whether a READ_ONLY call delivered again is recorded in the journal
+        as a write (by a release that declares the tool a write): then it is
+        handled under the recorded effect (the strictest effect wins,
+        docs/identity.md).
 
-        Only a redelivery asks (kombu's Redis restore and RabbitMQ mark it),
-        so a read's first delivery pays no round trip for this. A journal that
-        cannot be read leaves the question open: the call is not run now.
+        Only a delivery that may not be the call's first asks (a redelivery, a
+        retry, a deferral, a replay: ``Attempt.again``), so a read's first
+        delivery pays no round trip for this. A journal that cannot be read
+        leaves the question open: the call is not run now.
         """
         attempt = self.attempt
-        if not attempt.redelivered or attempt.interactive:
+        if not attempt.again or attempt.interactive:
             return False
         try:
             recorded = self.runtime.journal.recorded_effect(attempt.ref)
         except StoreUnavailable as store_down:
             failed = IntentNotRecorded(
-                f"{self.label} not run: redelivered, and whether a release recorded it as a "
+                f"{self.label} not run: delivered again, and whether a release recorded it as a "
                 f"write cannot be read: {store_down}"
             )
             raise self._after_failure(
