@@ -108,8 +108,22 @@ class ToolTask(Task):  # type: ignore[misc]
 
     # -- binding and declaration -------------------------------------------
 
+    #: True for Celery's own tasks when the app's ``task_cls`` is a tool
+    #: (:func:`is_celery_builtin`): they stay plain Celery tasks.
+    _tooleffect_plain: ClassVar[bool] = False
+
     @classmethod
     def bind(cls, app: Any) -> Any:
+        if is_celery_builtin(cls):
+            # ``task_cls = "celery_tooleffect:ToolTask"`` makes every task of
+            # the app a subclass, Celery's own too (chord_unlock retries
+            # forever, backend_cleanup, the canvas helpers). They keep
+            # Celery's behaviour: its request, strategy and acks, from config.
+            for name in _PLAIN_ATTRIBUTES:
+                if name not in cls.__dict__:
+                    setattr(cls, name, getattr(Task, name))
+            cls._tooleffect_plain = True
+            return super().bind(app)
         bound = super().bind(app)
         declared = (
             ToolEffect.coerce(cls.effect) if cls.effect is not None else ToolEffect.READ_ONLY
@@ -143,6 +157,9 @@ class ToolTask(Task):  # type: ignore[misc]
 
     @classmethod
     def annotate(cls) -> None:
+        if cls._tooleffect_plain:
+            super().annotate()
+            return
         for annotation in resolve_all_annotations(cls.app.annotations, cls):
             refused = sorted(set(annotation) & PROTECTED_OPTIONS)
             if refused:
@@ -163,7 +180,10 @@ class ToolTask(Task):  # type: ignore[misc]
 
     @property
     def tool_effect(self) -> ToolEffect:
-        """The effect this tool declares, resolved once."""
+        """The effect this tool declares, resolved once (``AttributeError`` on
+        Celery's own tasks: they are no tools)."""
+        if self._tooleffect_plain:
+            raise AttributeError(f"{self.name} is Celery's own task, not a tool")
         resolved = self.__dict__.get("_tool_effect")
         if resolved is None:
             resolved = ToolEffectResolver.effect_for_tool(self)
@@ -188,6 +208,8 @@ class ToolTask(Task):  # type: ignore[misc]
         gets the app's ``tooleffect_max_retries``, so that ``self.retry()``
         and the package's own retries spend one budget.
         """
+        if self._tooleffect_plain:
+            return int(Task.max_retries)
         return self.retry_policy.budget
 
     @property
@@ -272,7 +294,10 @@ class ToolTask(Task):  # type: ignore[misc]
         """Celery's, without the fields the worker added to the request for its pool
         (every republish of a task from its own request goes through here), and
         marked as such a republish: it claims no task id (``apply_async``)."""
-        signature = without_internal_fields(super().signature_from_request(*args, **kwargs))
+        signature = super().signature_from_request(*args, **kwargs)
+        if self._tooleffect_plain:
+            return signature
+        signature = without_internal_fields(signature)
         signature.options[REPUBLISH_OPTION] = True
         # Celery passes the request's headers on (Context.as_execution_options):
         # the copy says it is one, so a READ_ONLY release asks the journal.
@@ -296,6 +321,9 @@ class ToolTask(Task):  # type: ignore[misc]
         - a retry that cannot be published keeps its message (requeued)
           instead of deleting it, as Celery's ``Reject`` would.
         """
+        if self._tooleffect_plain:
+            return super().retry(args, kwargs, exc, throw, eta, countdown,
+                                 max_retries=max_retries, **options)
         budget = self.retry_policy.budget
         limit = budget if max_retries is None else min(int(max_retries), budget)
         request = self.request
@@ -332,6 +360,8 @@ class ToolTask(Task):  # type: ignore[misc]
         :class:`InvalidCallId` for an id that cannot be one.
         """
         republish = bool(options.pop(REPUBLISH_OPTION, False))
+        if self._tooleffect_plain:
+            return super().apply_async(args, kwargs, **options)
         _refuse_relabel(self.name, options)
         claim = self._identify(options, republish=republish)
         if claim:
@@ -340,6 +370,8 @@ class ToolTask(Task):  # type: ignore[misc]
 
     def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         options.pop(REPUBLISH_OPTION, None)
+        if self._tooleffect_plain:
+            return super().apply(args, kwargs, **options)
         _refuse_relabel(self.name, options)
         step = options.pop("step", None)
         parent = current_parent()
@@ -351,6 +383,8 @@ class ToolTask(Task):  # type: ignore[misc]
         return super().apply(args, kwargs, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._tooleffect_plain:
+            return super().__call__(*args, **kwargs)
         request = self.request
         if request.id is not None:
             return run_tool(self, request, args, kwargs)
@@ -432,6 +466,18 @@ class ToolTask(Task):  # type: ignore[misc]
 
 #: Options with which Celery's canvas publishes a member under the id it froze.
 CANVAS_OPTIONS = ("group_id", "group_index", "chord", "chain", "parent_id", "root_id")
+
+
+#: What Celery's own tasks take from ``celery.Task`` rather than from ToolTask.
+_PLAIN_ATTRIBUTES = ("acks_late", "acks_on_failure_or_timeout", "reject_on_worker_lost",
+                     "retry_on_worker_lost", "Request", "Strategy")
+
+
+def is_celery_builtin(cls: type) -> bool:
+    """Whether ``cls`` is one of Celery's own tasks (``celery/app/builtins.py``:
+    ``celery.chord_unlock``, ``celery.backend_cleanup``, ``celery.group`` ...),
+    made a ToolTask subclass by the app's ``task_cls``."""
+    return cls.__module__ == "celery.app.builtins"
 
 
 def _overridden(cls: type) -> set[str]:

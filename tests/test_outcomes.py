@@ -288,9 +288,15 @@ def test_non_retryable_failure_is_dead_lettered_at_once(
     assert letter.failure_class == failure_class
     assert letter.effect == effect.value
     assert letter.args == ["k", behaviour]
-    # The backend entry carries the class too.
-    assert isinstance(result.result, DeadLettered)
-    assert result.result.failure_class == failure_class
+    # The backend holds what the body raised, as plain Celery stores it (its
+    # traceback included); the dead letter says why and which class.
+    expected = {"unknown": ValueError, "auth": PermissionDenied}[behaviour]
+    assert type(result.result) is expected, repr(result.result)
+    assert result.result.args == {"unknown": ("provider said something unexpected",),
+                                  "auth": ("token revoked",)}[behaviour]
+    assert f"in body\n    raise {expected.__name__}(" in result.traceback, result.traceback
+    with pytest.raises(expected):
+        result.get(timeout=5)
 
 
 # -- delivered again after it succeeded or was dead-lettered ------------------------

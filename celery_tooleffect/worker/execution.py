@@ -50,6 +50,7 @@ from ..errors import (
     ReconcileFailed,
     RetriesExhausted,
     StoreUnavailable,
+    ToolEffectError,
 )
 from ..events import AuditEvent
 from ..failures import FailureClass, is_no_side_effect
@@ -249,9 +250,12 @@ class Execution:
             return
         if self.attempt.interactive:
             raise problem
+        # Arguments the body cannot take: Celery's result is the TypeError, as
+        # calling the body would raise; a forged header is the package's refusal.
         raise self._dead_letter(
             DeadLetterReason.MALFORMED_MESSAGE, problem, FailureClass.CLIENT_ERROR,
             owned=False, attempts=0, journalled=False,
+            error=problem if isinstance(problem, TypeError) else None,
         )
 
     # -- the two protocols ---------------------------------------------------
@@ -734,9 +738,10 @@ class Execution:
                 f"{attempt.retries} retries; its retry budget of {requested_limit} is spent. "
                 f"Last error: {type(exc).__name__}: {exc}"
             )
+            # Celery's result is what its retry() raised, as in plain Celery.
             return self._dead_letter(
                 DeadLetterReason.RETRIES_EXHAUSTED, spent, failure_class,
-                owned=journalled, attempts=number, outcome_event=outcome,
+                owned=journalled, attempts=number, outcome_event=outcome, error=_shown(exc),
             )
         decision = self.policy.after_failure(
             exc, failure_class, retries=attempt.retries, attempt=number,
@@ -758,7 +763,7 @@ class Execution:
                   else DeadLetterReason.NOT_RETRYABLE)
         return self._dead_letter(
             reason, exc, failure_class, owned=journalled, attempts=number,
-            outcome_event=outcome,
+            outcome_event=outcome, error=_shown(exc),
         )
 
     def _settle(
@@ -856,6 +861,7 @@ class Execution:
         allowed: frozenset[JournalState] | None = None,
         journalled: bool = True,
         letter_id: str | None = None,
+        error: BaseException | None = None,
     ) -> BaseException:
         """Decide the dead letter of a queued run (``exc`` itself for an interactive one).
 
@@ -863,6 +869,8 @@ class Execution:
         returned carries the letter to the worker's main process, which holds
         the message: ``ToolRequest`` stores it with the message as delivered,
         then rejects the message (see :mod:`celery_tooleffect.worker.letters`).
+        ``error``: the exception Celery's result shows (the body's), when the
+        failure is not the package's own.
         """
         attempt = self.attempt
         if attempt.interactive:
@@ -879,7 +887,7 @@ class Execution:
         )
         rejection = begin_dead_letter(
             self.runtime, attempt, letter, outcome_event=event, owned=owned, exc=exc,
-            allowed=allowed, journalled=journalled and attempt.effect.is_write,
+            allowed=allowed, journalled=journalled and attempt.effect.is_write, error=error,
         )
         telemetry.step("dead-lettered", **{"tooleffect.dead_letter.reason": reason.value})
         return _caused(rejection, exc)
@@ -952,6 +960,13 @@ def _requested_retry_event(attempt: Attempt, number: int, requested: Retry) -> A
     countdown = requested.when if isinstance(requested.when, (int, float)) else None
     return attempt.context.event("outcome", "retrying", attempt=number, exception=cause,
                                  requested="1", countdown=countdown)
+
+
+def _shown(exc: BaseException) -> BaseException | None:
+    """What Celery's result shows for a dead letter caused by ``exc``: ``exc``
+    when the tool's body raised it; None (the ``DeadLettered`` itself) when it
+    is the package's own (a store that did not answer, a lease not secured)."""
+    return None if isinstance(exc, ToolEffectError) else exc
 
 
 def _caused(ending: BaseException, cause: BaseException) -> BaseException:

@@ -19,7 +19,10 @@ protocol lives here, once:
 from __future__ import annotations
 
 import logging
+import traceback
 from dataclasses import dataclass, replace
+
+from celery.utils.serialization import get_pickleable_exception
 
 from ..errors import DeadLettered, LeaseLost, StoreUnavailable
 from ..events import AuditEvent
@@ -44,6 +47,7 @@ def begin_dead_letter(
     exc: BaseException | None,
     journalled: bool,
     allowed: frozenset[JournalState] | None = None,
+    error: BaseException | None = None,
 ) -> DeadLettered:
     """Step 1: the journal to ``dead_lettering`` with the outcome event.
 
@@ -55,7 +59,13 @@ def begin_dead_letter(
     ``owned``: the caller holds the attempt's owner token, so step 1 is
     fenced by it. Raises :class:`LeaseLost` when another attempt owns the
     entry. ``journalled`` is false for read-only tools and for messages
-    refused before any attempt began.
+    refused before any attempt began. ``error``: what Celery's result shows
+    (:attr:`DeadLettered.error`), when it is not the rejection.
+
+    Every exception the rejection carries is made picklable first (Celery's
+    ``get_pickleable_exception``, as its tracer does for a failure): it
+    crosses the pool's pipe, and one that cannot be unpickled there would
+    stop the worker's main process.
     """
     ref = attempt.ref
     if allowed is None:
@@ -89,9 +99,12 @@ def begin_dead_letter(
         f"{letter.exception_type or 'error'} in {letter.name}[{letter.task_id}]",
         letter.failure_class,
         letter.reason,
-        reason=exc,
+        reason=None if exc is None else get_pickleable_exception(exc),
     )
     rejection.pending_letter = PendingLetter(replace(letter, message=None), journalled)
+    if error is not None:
+        rejection.error = get_pickleable_exception(error)
+        rejection.error_traceback = "".join(traceback.format_exception(error))
     return rejection
 
 

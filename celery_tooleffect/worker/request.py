@@ -29,12 +29,14 @@ class to the ``task-failed`` event that Flower shows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import replace
 from typing import Any
 
 from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
+from celery import signals
 from celery.exceptions import (
     Ignore,
     InvalidTaskError,
@@ -43,9 +45,11 @@ from celery.exceptions import (
     Terminated,
     TimeLimitExceeded,
 )
+from celery.utils.serialization import get_pickled_exception
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.transport.virtual.base import QoS as VirtualQoS
+from kombu.utils.encoding import safe_repr
 
 from ..effect import ToolEffect
 from ..errors import (
@@ -72,6 +76,7 @@ from .attempt import (
 from .execution import reconciler
 from .faults import crash_point
 from .letters import PendingLetter, begin_dead_letter, build_letter, finish_dead_letter
+from .signals import AUDITED_MARK
 from .strategy import check_request, request_built
 
 logger = logging.getLogger(__name__)
@@ -104,6 +109,9 @@ class ToolRequest(Request):  # type: ignore[misc]
         self._tooleffect_token = new_token()
         self._tooleffect_done = False
         self._tooleffect_failure_class: str | None = None
+        #: Set when a dead letter's result is the tool's own error: the
+        #: ``task-failed`` event still says it is a dead letter.
+        self._tooleffect_dead_letter_reason: str | None = None
         # Computed before our own fields are added: any tooleffect_* header
         # other than the run id came from the producer and is refused.
         forged = forged_headers(self._request_dict)
@@ -171,6 +179,8 @@ class ToolRequest(Request):  # type: ignore[misc]
         decided = isinstance(exc, DeadLettered) and exc.pending_letter is not None
         if decided and not self._store_decided_letter(exc):
             return None
+        if decided and exc.error is not None and not exc.keep_result:
+            return self._fail_as_celery(exc, exc_info, send_failed_event)
         if decided and exc.keep_result:
             # A call-id conflict: the task id's result is another call's, and
             # Celery's failure handler would overwrite it (mark_as_failure).
@@ -198,6 +208,37 @@ class ToolRequest(Request):  # type: ignore[misc]
         return super().on_failure(exc_info, send_failed_event=send_failed_event,
                                   return_ok=return_ok)
 
+    def _fail_as_celery(self, rejection: DeadLettered, exc_info: ExceptionInfo,
+                        send_failed_event: bool) -> None:
+        """End a dead letter whose cause is the tool's own error as plain Celery
+        ends that error: the result backend stores it with its traceback
+        (``mark_as_failure``, which also runs the errbacks and tells a chord),
+        ``task_failure`` and the ``task-failed`` event carry it. Then, as for
+        any dead letter, the message is rejected without requeue (Celery's
+        ``Reject`` branch of ``Request.on_failure``, with the error in place of
+        the rejection). The letter is stored already."""
+        error = rejection.error
+        assert error is not None
+        traceback = rejection.error_traceback or exc_info.traceback
+        worker_state.task_ready(self)
+        self._tooleffect_done = True
+        self._tooleffect_failure_class = rejection.failure_class
+        self._tooleffect_dead_letter_reason = rejection.dead_letter_reason
+        self.task.backend.mark_as_failure(self.id, error, traceback=traceback,
+                                          request=self._context, store_result=self.store_errors)
+        # Audited already, by the pool process (the signal handler skips it).
+        # Marked after the store: a pickled result holds the exception as raised.
+        with contextlib.suppress(Exception):  # an exception that takes no attribute
+            setattr(error, AUDITED_MARK, True)
+        signals.task_failure.send(sender=self.task, task_id=self.id, exception=error,
+                                  args=self.args, kwargs=self.kwargs, traceback=traceback,
+                                  einfo=exc_info)
+        if send_failed_event:
+            shown = safe_repr(get_pickled_exception(error))  # type: ignore[no-untyped-call]
+            self.send_event("task-failed", exception=shown,
+                            traceback=traceback)
+        self.reject(requeue=False)
+
     def acknowledge(self) -> None:
         # A test's crash point (worker/faults.py): everything stored, not yet
         # acknowledged. Here, not in on_success: Celery's create_request_cls
@@ -218,6 +259,8 @@ class ToolRequest(Request):  # type: ignore[misc]
     def send_event(self, type: str, **fields: Any) -> Any:
         if type == "task-failed" and self._tooleffect_failure_class:
             fields.setdefault("failure_class", self._tooleffect_failure_class)
+        if type == "task-failed" and self._tooleffect_dead_letter_reason:
+            fields.setdefault("dead_letter_reason", self._tooleffect_dead_letter_reason)
         return super().send_event(type, **fields)
 
     def _on_interrupted(self, exc: BaseException, why: str | None = None) -> None:
