@@ -63,3 +63,17 @@ def compat(session: nox.Session, versions: str, parser: str) -> None:
         "hiredis {HIREDIS_AVAILABLE}')",
     )
     session.run("python", "-m", "pytest", "-q", *CORE, *session.posargs)
+
+
+@nox.session(name="celery_suite")
+def celery_suite(session: nox.Session) -> None:
+    """Celery's own integration suite (``t/integration/test_canvas.py`` and
+    ``test_tasks.py`` of the installed Celery's sdist), on plain Celery and with
+    ``task_cls=ToolTask``, on Redis servers of its own: fails when a test that
+    passes on plain Celery fails with ToolTask and is not a reasoned
+    difference (``compat/celery_suite/``). Posargs go to both pytest runs."""
+    session.install("-e", ".[dev]")
+    # What the suite imports besides Celery: its flaky marker reruns
+    # (pytest-rerunfailures) and t/integration/tasks.py's pydantic models.
+    session.install("pytest-rerunfailures", "pydantic")
+    session.run("python", "compat/celery_suite/run.py", *session.posargs)

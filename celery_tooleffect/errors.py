@@ -143,14 +143,14 @@ class DeadLettered(ToolEffectError, Reject):  # type: ignore[misc]
         #: conflict): the worker stores the letter and leaves the result alone.
         self.keep_result = False
         #: The exception Celery's result shows instead of this one: what the
-        #: tool's body raised (or the arguments' ``TypeError``), as plain
-        #: Celery would store it (``docs/guide.md``, "What a failed call's
-        #: result holds"). None when the failure is the package's own (an
-        #: audit that could not be stored, an interrupted write, a conflict,
-        #: a forged header): then the result is this ``DeadLettered``.
+        #: tool's body raised (or the arguments' ``TypeError``). The pool
+        #: process raises it in place of this ``DeadLettered``, so that
+        #: Celery's tracer stores and reports it as plain Celery would
+        #: (``docs/guide.md``, "What a failed call's result holds"). None when
+        #: the failure is the package's own (an audit that could not be
+        #: stored, an interrupted write, a conflict, a forged header): then
+        #: the result is this ``DeadLettered``.
         self.error: BaseException | None = None
-        #: ``error``'s traceback, formatted where it was raised (the pool process).
-        self.error_traceback: str | None = None
 
     def __str__(self) -> str:
         return (

@@ -21,6 +21,7 @@ from celery.exceptions import Reject, Retry
 from .effect import ToolEffect, ToolEffectResolver
 from .errors import (
     CallIdConflict,
+    DeadLettered,
     EffectRelabelRefused,
     InvalidCallId,
     ToolContextError,
@@ -45,6 +46,7 @@ from .worker.attempt import (
 from .worker.children import current_parent
 from .worker.consumer import install_consumer_step
 from .worker.execution import run_tool
+from .worker.letters import decided_with_error
 from .worker.retries import (
     REQUESTED_EXHAUSTED_MARK,
     RetryPolicy,
@@ -387,7 +389,16 @@ class ToolTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         request = self.request
         if request.id is not None:
-            return run_tool(self, request, args, kwargs)
+            try:
+                return run_tool(self, request, args, kwargs)
+            except DeadLettered as rejection:
+                error = decided_with_error(request, rejection)
+                if error is None:
+                    raise
+            # A dead letter whose result is the tool's own error: raised for
+            # Celery's tracer to store and report as plain Celery does (outside
+            # the except clause, so that its __context__ stays its own).
+            raise error
         # A direct call: give it a task id so that a write is journalled
         # exactly like a queued one. In a tool's body the id is derived from
         # the parent, and the call is in the parent's run; elsewhere it is

@@ -19,8 +19,8 @@ protocol lives here, once:
 from __future__ import annotations
 
 import logging
-import traceback
 from dataclasses import dataclass, replace
+from typing import Any
 
 from celery.utils.serialization import get_pickleable_exception
 
@@ -62,10 +62,10 @@ def begin_dead_letter(
     refused before any attempt began. ``error``: what Celery's result shows
     (:attr:`DeadLettered.error`), when it is not the rejection.
 
-    Every exception the rejection carries is made picklable first (Celery's
-    ``get_pickleable_exception``, as its tracer does for a failure): it
-    crosses the pool's pipe, and one that cannot be unpickled there would
-    stop the worker's main process.
+    The rejection's ``reason`` is made picklable first (Celery's
+    ``get_pickleable_exception``, as its tracer does for a failure): the
+    rejection crosses the pool's pipe, and an exception that cannot be
+    unpickled there would stop the worker's main process.
     """
     ref = attempt.ref
     if allowed is None:
@@ -102,9 +102,7 @@ def begin_dead_letter(
         reason=None if exc is None else get_pickleable_exception(exc),
     )
     rejection.pending_letter = PendingLetter(replace(letter, message=None), journalled)
-    if error is not None:
-        rejection.error = get_pickleable_exception(error)
-        rejection.error_traceback = "".join(traceback.format_exception(error))
+    rejection.error = error
     return rejection
 
 
@@ -139,6 +137,24 @@ def finish_dead_letter(
                            attempt.task_id, store_down)
     else:
         runtime.audit.record_step(dead_lettered_event)
+
+
+#: Where a letter decided with the tool's own error as Celery's result waits
+#: in the pool process: on the request (:func:`decided_with_error`), then on
+#: the ``ExceptionInfo`` Celery's tracer sends to the worker's main process
+#: (``worker/signals.py`` moves it there), which pops it (``ToolRequest``).
+PENDING_LETTER_FIELD = "tooleffect_pending_letter"
+
+
+def decided_with_error(request: Any, rejection: DeadLettered) -> BaseException | None:
+    """The error to raise in place of ``rejection`` in the pool process, with
+    its letter left on ``request`` for the worker's main process; None when
+    ``rejection`` itself is the result (a failure of the package's own)."""
+    if rejection.error is None or rejection.keep_result or rejection.pending_letter is None:
+        return None
+    setattr(request, PENDING_LETTER_FIELD, rejection.pending_letter)
+    rejection.pending_letter = None
+    return rejection.error
 
 
 @dataclass(frozen=True)

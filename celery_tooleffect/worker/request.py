@@ -29,14 +29,12 @@ class to the ``task-failed`` event that Flower shows.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import replace
 from typing import Any
 
 from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
-from celery import signals
 from celery.exceptions import (
     Ignore,
     InvalidTaskError,
@@ -45,11 +43,9 @@ from celery.exceptions import (
     Terminated,
     TimeLimitExceeded,
 )
-from celery.utils.serialization import get_pickled_exception
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.transport.virtual.base import QoS as VirtualQoS
-from kombu.utils.encoding import safe_repr
 
 from ..effect import ToolEffect
 from ..errors import (
@@ -75,8 +71,13 @@ from .attempt import (
 )
 from .execution import reconciler
 from .faults import crash_point
-from .letters import PendingLetter, begin_dead_letter, build_letter, finish_dead_letter
-from .signals import AUDITED_MARK
+from .letters import (
+    PENDING_LETTER_FIELD,
+    PendingLetter,
+    begin_dead_letter,
+    build_letter,
+    finish_dead_letter,
+)
 from .strategy import check_request, request_built
 
 logger = logging.getLogger(__name__)
@@ -175,12 +176,27 @@ class ToolRequest(Request):  # type: ignore[misc]
         )
         if lost_child or isinstance(exc, TimeLimitExceeded):
             return self._on_interrupted(exc)
-        # A tool decided a dead letter; the message is here: store it.
+        # A tool decided a dead letter whose result is its own error: Celery's
+        # tracer stored and reported that error in the pool process, as for
+        # any task; the letter rode here on the ExceptionInfo. Store it (the
+        # message is here), then end as Celery ends a failure: rejected
+        # without requeue (acks_on_failure is False on a tool).
+        pending = exc_info.__dict__.pop(PENDING_LETTER_FIELD, None)
+        if isinstance(pending, PendingLetter):
+            if not self._store_decided_letter(pending):
+                return None
+            self._tooleffect_failure_class = pending.letter.failure_class
+            self._tooleffect_dead_letter_reason = pending.letter.reason
+            exc_info.exception = exc
+            return super().on_failure(exc_info, send_failed_event=send_failed_event,
+                                      return_ok=return_ok)
+        # A tool decided a dead letter of the package's own: the rejection
+        # carries it; the message is here: store it.
         decided = isinstance(exc, DeadLettered) and exc.pending_letter is not None
-        if decided and not self._store_decided_letter(exc):
-            return None
-        if decided and exc.error is not None and not exc.keep_result:
-            return self._fail_as_celery(exc, exc_info, send_failed_event)
+        if decided:
+            pending, exc.pending_letter = exc.pending_letter, None
+            if not self._store_decided_letter(pending):
+                return None
         if decided and exc.keep_result:
             # A call-id conflict: the task id's result is another call's, and
             # Celery's failure handler would overwrite it (mark_as_failure).
@@ -207,37 +223,6 @@ class ToolRequest(Request):  # type: ignore[misc]
         exc_info.exception = exc
         return super().on_failure(exc_info, send_failed_event=send_failed_event,
                                   return_ok=return_ok)
-
-    def _fail_as_celery(self, rejection: DeadLettered, exc_info: ExceptionInfo,
-                        send_failed_event: bool) -> None:
-        """End a dead letter whose cause is the tool's own error as plain Celery
-        ends that error: the result backend stores it with its traceback
-        (``mark_as_failure``, which also runs the errbacks and tells a chord),
-        ``task_failure`` and the ``task-failed`` event carry it. Then, as for
-        any dead letter, the message is rejected without requeue (Celery's
-        ``Reject`` branch of ``Request.on_failure``, with the error in place of
-        the rejection). The letter is stored already."""
-        error = rejection.error
-        assert error is not None
-        traceback = rejection.error_traceback or exc_info.traceback
-        worker_state.task_ready(self)
-        self._tooleffect_done = True
-        self._tooleffect_failure_class = rejection.failure_class
-        self._tooleffect_dead_letter_reason = rejection.dead_letter_reason
-        self.task.backend.mark_as_failure(self.id, error, traceback=traceback,
-                                          request=self._context, store_result=self.store_errors)
-        # Audited already, by the pool process (the signal handler skips it).
-        # Marked after the store: a pickled result holds the exception as raised.
-        with contextlib.suppress(Exception):  # an exception that takes no attribute
-            setattr(error, AUDITED_MARK, True)
-        signals.task_failure.send(sender=self.task, task_id=self.id, exception=error,
-                                  args=self.args, kwargs=self.kwargs, traceback=traceback,
-                                  einfo=exc_info)
-        if send_failed_event:
-            shown = safe_repr(get_pickled_exception(error))  # type: ignore[no-untyped-call]
-            self.send_event("task-failed", exception=shown,
-                            traceback=traceback)
-        self.reject(requeue=False)
 
     def acknowledge(self) -> None:
         # A test's crash point (worker/faults.py): everything stored, not yet
@@ -460,11 +445,9 @@ class ToolRequest(Request):  # type: ignore[misc]
         self._tooleffect_failure_class = failure_class.value
         return rejection
 
-    def _store_decided_letter(self, rejection: DeadLettered) -> bool:
+    def _store_decided_letter(self, pending: PendingLetter) -> bool:
         """Store the letter a tool decided, with this message; False when it could
         not be stored (the message is then requeued, never deleted)."""
-        pending: PendingLetter = rejection.pending_letter
-        rejection.pending_letter = None
         letter = replace(pending.letter, message=MessageEnvelope.of_message(self._message))
         # The pool process decided under the effect the journal made it use,
         # which the letter carries (stricter than the declared one, or it).

@@ -1,19 +1,24 @@
 """Signal handlers that give what the worker reports a failure class.
 
-``task_failure`` fires for every failure Celery reports, including the
-dead-lettering ``Reject`` (whose ``reason`` is the original error) and the
-hard time limits and lost workers seen only by the main process. The handler
+``task_failure`` fires for every failure Celery reports: a tool's own error
+(stored by Celery's tracer in the pool process, also when the tool made the
+call a dead letter), the dead-lettering ``Reject`` of a failure of the
+package's own (whose ``reason`` is the error behind it), and the hard time
+limits and lost workers seen only by the main process. The handler
 classifies it, logs the class, and audits failures that ``ToolTask`` itself
 never saw (raised by Celery around the task). It is connected once, when the
 first ``ToolTask`` is bound.
 
-Celery stores the failure on the result backend *before* this signal fires,
-so what the backend entry must carry is put there by the task (see
-:class:`celery_tooleffect.errors.DeadLettered`).
+In the pool process it also hands a dead letter the tool decided to the
+worker's main process: Celery stores the failure on the result backend
+*before* this signal fires, and returns the ``ExceptionInfo`` it is given
+to the main process after it, so the letter rides there and never reaches
+the backend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -22,6 +27,7 @@ from celery.signals import task_failure
 from ..errors import DeadLettered
 from ..store.audit import StepContext, worker_identity
 from .attempt import queue_name, resolve_run_id
+from .letters import PENDING_LETTER_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +44,23 @@ def connect_signals() -> None:
 
 def classify_reported_failure(
     sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
-    **_: Any,
+    einfo: Any = None, **_: Any,
 ) -> None:
-    """Log the class of a tool's reported failure; audit it if nobody did."""
+    """Log the class of a tool's reported failure; audit it if nobody did.
+
+    In the pool process, a dead letter the tool decided with its own error
+    as Celery's result waits on the request: it is moved onto ``einfo``, the
+    ``ExceptionInfo`` Celery's tracer returns to the worker's main process
+    (after the result backend stored the error; so it never reaches it)."""
     effect = getattr(sender, "tool_effect", None)
     if effect is None or exception is None or task_id is None:
         return
+    request = getattr(sender, "request", None)
+    pending = request.__dict__.pop(PENDING_LETTER_FIELD, None) if request is not None else None
+    if pending is not None and einfo is not None:
+        einfo.__dict__[PENDING_LETTER_FIELD] = pending
+        with contextlib.suppress(Exception):  # audited by the tool already
+            setattr(exception, AUDITED_MARK, True)
     from ..store.runtime import runtime_for
 
     try:
