@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint bench
+.PHONY: install demo test test-fast lint bench celery-suite
 
 # Create .venv and install the package with its dev extra.
 install:
@@ -50,3 +50,8 @@ lint: $(INSTALLED)
 bench: $(INSTALLED)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench
+
+# Celery's own integration suite, plain and with task_cls=ToolTask, compared
+# (compat/celery_suite/run.py; about 20 minutes; needs redis-server on PATH).
+celery-suite: $(INSTALLED)
+	$(BIN)/nox -s celery_suite

@@ -5,8 +5,9 @@ pipe) of tests/apps/semantics_app.py, whose tasks are tools through the app's
 ``task_cls`` alone. A body's exception is the result (type, arguments,
 traceback), ``AsyncResult.get()`` raises it, errbacks of both styles, chords
 and ``task_failure`` receive it; the dead letter still keeps the message and
-says why. An exception that cannot be unpickled, or is chained a thousand
-deep, ends the call as Celery ends it and the worker goes on.
+says why. An exception that cannot be unpickled, that JSON cannot hold, of
+4 MiB, or chained a thousand deep, ends the call as Celery ends it and the
+worker goes on.
 """
 
 from __future__ import annotations
@@ -139,6 +140,30 @@ def test_an_exception_that_cannot_be_unpickled_leaves_the_worker_running(
     assert app.send_task("sem.add", args=[2, 3]).get(timeout=30) == 5
     assert worker.process.poll() is None
     assert "Unrecoverable error" not in worker.output()
+
+
+def test_an_exception_json_cannot_hold_is_stored_as_celery_stores_it(
+    app: Celery, worker: WorkerProcess,
+) -> None:
+    result = app.send_task("sem.unserializable")
+    with pytest.raises(Exception) as raised:
+        result.get(timeout=30)
+    # Celery's JSON backend keeps the type and the arguments' repr.
+    assert type(raised.value).__name__ == "ExpectedException"
+    assert "{1, 2, 3}" in str(raised.value.args[0]) and "object at" in str(raised.value)
+    letter = wait_for(lambda: DeadLetters(app).get(result.id), what="the dead letter")
+    assert letter.exception_type == "ExpectedException" and letter.message is not None
+    assert worker.process.poll() is None
+
+
+def test_a_huge_exception_is_stored_whole(app: Celery, worker: WorkerProcess) -> None:
+    size = 4 * 1024 * 1024
+    result = app.send_task("sem.huge", args=[size])
+    with pytest.raises(ValueError) as raised:
+        result.get(timeout=60)
+    assert raised.value.args == ("x" * size,)
+    assert wait_for(lambda: DeadLetters(app).get(result.id), what="the dead letter")
+    assert app.send_task("sem.add", args=[2, 3]).get(timeout=30) == 5
 
 
 def test_a_deeply_chained_exception_is_stored_and_the_worker_goes_on(

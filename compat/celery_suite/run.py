@@ -67,15 +67,30 @@ def main() -> int:
                 codes[name] = process.wait()
                 print(f"{name}: stopped after {RUN_TIMEOUT} s", file=sys.stderr)
         took = time.monotonic() - started
+        results = {name: outcomes(work / f"{name}.xml") for name in RUNS}
+        for name in RUNS:
+            print(f"--- {name} run (pytest exit {codes[name]}): log {work / f'{name}.log'}")
+            print(f"{name}: {summary(results[name])}")
+        print(f"both runs side by side: {took:.0f} s")
+        listed = reasoned_differences()
+        new = [test for test in differing(results["plain"], results["tool"])
+               if test not in listed]
+        if new:
+            # The suite's timings make some of its tests flaky on plain Celery
+            # too (it marks them @flaky): a new difference is run once more,
+            # alone, and counts only if it fails again.
+            print(f"running the {len(new)} new difference(s) again, with ToolTask")
+            again = start_run("tool-again", RUNS["tool"], suite, servers["tool"], work,
+                              [*pytest_args, *(pytest_id(test) for test in new)], paths=[])
+            again.wait(timeout=RUN_TIMEOUT)
+            for test, outcome in outcomes(work / "tool-again.xml").items():
+                if outcome == "passed" and test in new:
+                    print(f"passed when run again (flaky): {test}")
+                    results["tool"][test] = "passed"
     finally:
         for server in servers.values():
             server.stop()
-    results = {name: outcomes(work / f"{name}.xml") for name in RUNS}
-    for name in RUNS:
-        print(f"--- {name} run (pytest exit {codes[name]}): log {work / f'{name}.log'}")
-        print(f"{name}: {summary(results[name])}")
-    print(f"both runs side by side: {took:.0f} s")
-    return compare(results["plain"], results["tool"], reasoned_differences())
+    return compare(results["plain"], results["tool"], listed)
 
 
 def unpack_suite(work: Path) -> Path:
@@ -149,7 +164,7 @@ def free_port() -> int:
 
 
 def start_run(name: str, task_cls: str | None, suite: Path, server: RedisProcess, work: Path,
-              pytest_args: list[str]) -> subprocess.Popen[bytes]:
+              pytest_args: list[str], paths: list[str] = SUITE) -> subprocess.Popen[bytes]:
     """One pytest run of the suite, on ``server`` (broker, result backend and,
     with ToolTask, the package's store)."""
     env = dict(os.environ, TEST_BROKER=server.url, TEST_BACKEND=server.url,
@@ -160,7 +175,7 @@ def start_run(name: str, task_cls: str | None, suite: Path, server: RedisProcess
     log = (work / f"{name}.log").open("wb")
     return subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-         f"--junitxml={work / f'{name}.xml'}", *SUITE, *pytest_args],
+         f"--junitxml={work / f'{name}.xml'}", *paths, *pytest_args],
         cwd=suite, env=env, stdout=log, stderr=subprocess.STDOUT,
     )
 
@@ -200,12 +215,25 @@ def reasoned_differences() -> dict[str, str]:
     return listed
 
 
+def differing(plain: dict[str, str], tool: dict[str, str]) -> list[str]:
+    """The tests that passed on plain Celery and not with ToolTask."""
+    return sorted(test for test, outcome in plain.items()
+                  if outcome == "passed" and tool.get(test) != "passed")
+
+
+def pytest_id(test: str) -> str:
+    """A JUnit ``classname::name`` (``t.integration.test_canvas.test_chord::test_x``)
+    as a pytest node id (``t/integration/test_canvas.py::test_chord::test_x``)."""
+    classname, _, name = test.partition("::")
+    parts = classname.split(".")  # t, integration, test_<module>, [class]
+    return "::".join([f"{'/'.join(parts[:3])}.py", *parts[3:], name])
+
+
 def compare(plain: dict[str, str], tool: dict[str, str], listed: dict[str, str]) -> int:
     if not plain or not tool:
         print("a run left no report: nothing to compare", file=sys.stderr)
         return 1
-    broken = sorted(test for test, outcome in plain.items()
-                    if outcome == "passed" and tool.get(test) != "passed")
+    broken = differing(plain, tool)
     new = [test for test in broken if test not in listed]
     for test in broken:
         why = listed.get(test)

@@ -69,6 +69,17 @@ def unpickleable() -> None:
     raise UnpickleableException("foo", "bar")
 
 
+@app.task(name="sem.unserializable")
+def unserializable() -> None:
+    """Its argument is no JSON (the result serializer here): Celery stores its repr."""
+    raise ExpectedException({1, 2, 3}, object())
+
+
+@app.task(name="sem.huge")
+def huge(size: int) -> None:
+    raise ValueError("x" * size)
+
+
 @app.task(name="sem.deep")
 def deep(depth: int) -> None:
     """Raises an exception chained ``depth`` deep (each ``raise ... from``)."""
