@@ -316,6 +316,10 @@ def test_dead_letters_page_in_a_real_browser(
     row = [element.text for element in browser.find_elements(By.CSS_SELECTOR, ".detail-row")
            if element.text.startswith("Failure class")]
     assert row and row[0].split() == ["Failure", "class", "auth"], row
+    # Its exception is the tool's own error; the page says it is a dead letter.
+    row = [element.text for element in browser.find_elements(By.CSS_SELECTOR, ".detail-row")
+           if element.text.startswith("Dead letter reason")]
+    assert row and row[0].split() == ["Dead", "letter", "reason", "not_retryable"], row
 
 
 def test_the_reconcile_button_settles_a_write_that_happened(

@@ -283,15 +283,22 @@ def with_nav_item(navbar: str) -> str:
     return navbar[:end] + NAV_ITEM + navbar[end:]
 
 
+#: The fields the worker adds to a tool's ``task-failed`` event, shown on
+#: Flower's task page: the failure class, and the dead-letter reason when the
+#: call became a dead letter (its exception is then the tool's own error).
+FAILED_EVENT_FIELDS = ("failure_class", "dead_letter_reason")
+
+
 def show_failure_class(flower_app: Any) -> None:
-    """Show a failed tool task's ``failure_class`` on Flower's task page.
+    """Show a failed tool task's ``failure_class`` (and ``dead_letter_reason``)
+    on Flower's task page.
 
     Flower's task page lists the fields in ``Task._fields`` only, and it
     formats a copy of the task made from those fields (``copy.copy`` goes
-    through ``Task.__reduce__``), so the extra ``failure_class`` the worker
-    sends with ``task-failed`` is kept in Flower's state but never shown.
-    This wraps Flower's ``format_task`` option (keeping a user's own) so that
-    the copy gets the field back from the state and lists it.
+    through ``Task.__reduce__``), so the extra fields the worker sends with
+    ``task-failed`` are kept in Flower's state but never shown. This wraps
+    Flower's ``format_task`` option (keeping a user's own) so that the copy
+    gets them back from the state and lists them.
     """
     options = flower_app.options
     user_format: Callable[[Any], Any] | None = options.format_task
@@ -301,13 +308,15 @@ def show_failure_class(flower_app: Any) -> None:
             task = user_format(task)
         fields = getattr(task, "_fields", None)
         uuid = getattr(task, "uuid", None)
-        if fields is None or uuid is None or "failure_class" in fields:
+        if fields is None or uuid is None:
             return task
         original = flower_app.events.state.tasks.get(uuid)
-        failure_class = getattr(original, "failure_class", None)
-        if failure_class:
-            task.failure_class = failure_class
-            task._fields = (*fields, "failure_class")
+        for name in FAILED_EVENT_FIELDS:
+            value = getattr(original, name, None)
+            if value and name not in fields:
+                setattr(task, name, value)
+                fields = (*fields, name)
+        task._fields = fields
         return task
 
     options.format_task = format_task
