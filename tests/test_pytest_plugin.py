@@ -132,8 +132,10 @@ pytestmark = pytest.mark.tooleffect_app("tests.apps.plugin_app")
 
 
 def test_a_write_on_the_embedded_redis(tooleffect, tooleffect_redis_url):
+    from celery_tooleffect.testing import REDIS_URL
+
     print("REDIS", tooleffect_redis_url)
-    assert tooleffect_redis_url != "redis://127.0.0.1:6379/0"
+    assert tooleffect_redis_url != REDIS_URL  # a server the plugin started
     ending = tooleffect.run("user.send", "k", crash_at="before_ack")
     assert ending.crashed and (ending.settled, ending.intents) == ("succeeded", 1)
 '''

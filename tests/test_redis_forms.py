@@ -161,12 +161,13 @@ def _phases(client: redis.Redis, stream: str) -> list[bytes]:
 
 @pytest.mark.parametrize(("conf", "message"), [
     ({"broker_url": "redis://127.0.0.1:notaport/0"}, "broker_url: redis://127.0.0.1:notaport"),
-    ({"broker_url": "sentinel://127.0.0.1:26379;sentinel://127.0.0.1:26380"},
+    # Refused while the settings are read: nothing connects to these ports.
+    ({"broker_url": "sentinel://127.0.0.1:26390;sentinel://127.0.0.1:26391"},
      "needs the transport option master_name"),
-    ({"broker_url": "sentinel://127.0.0.1:26379;redis://127.0.0.1:6379"},
+    ({"broker_url": "sentinel://127.0.0.1:26390;redis://127.0.0.1:6390"},
      "is not a Redis URL the package can use"),
-    ({"broker_url": "memory://", "tooleffect_redis_url": "http://127.0.0.1:6379"},
-     "tooleffect_redis_url: http://127.0.0.1:6379 is not a Redis URL"),
+    ({"broker_url": "memory://", "tooleffect_redis_url": "http://127.0.0.1:6390"},
+     "tooleffect_redis_url: http://127.0.0.1:6390 is not a Redis URL"),
     ({"tooleffect_redis_url": "rediss://:pw@127.0.0.1:6380/0?ssl_bogus=1"},
      "unknown TLS option(s) ssl_bogus"),
     ({"tooleffect_redis_url": "redis://u:hunter2@127.0.0.1:x/0"}, "redis://u:***@"),

@@ -32,7 +32,7 @@ from celery_tooleffect import (
     ToolTask,
     approval_requested,
 )
-from tests.conftest import app_config, rabbitmq_queues
+from tests.conftest import REDIS_URL, app_config, rabbitmq_queues
 
 PREFIX = os.environ["TE_PREFIX"]
 BROKER = os.environ["TE_BROKER"]
@@ -44,7 +44,7 @@ app.conf.update(
         broker_url=BROKER,
         # Results on Redis whichever broker is used (Celery has no AMQP backend).
         result_backend=BROKER if BROKER.startswith("redis") else (
-            os.environ.get("TE_COUNTERS") or "redis://127.0.0.1:6379/0"),
+            os.environ.get("TE_COUNTERS") or REDIS_URL),
         broker_transport_options={
             "global_keyprefix": PREFIX,
             "visibility_timeout": float(os.environ.get("TE_VT", "60")),
