@@ -322,6 +322,7 @@ def test_an_in_process_worker_publishes_and_withdraws_its_declarations(
     make_app: Callable[..., Celery],
 ) -> None:
     from celery_tooleffect import ToolEffect, ToolTask
+    from celery_tooleffect.worker.startup import declared_effects
     from tests.conftest import running_worker
 
     def body() -> None:
@@ -335,7 +336,12 @@ def test_an_in_process_worker_publishes_and_withdraws_its_declarations(
     with running_worker(app) as worker:
         (entry,) = store.live()
         assert (entry.worker, entry.release) == (worker.hostname, "7")
-        assert entry.tools == {"t.read": "read_only", "t.write": "idempotent_write"}
+        # Exactly what the app's registry declares: its two tools, and any
+        # shared task (another test module's, in this process) registered on
+        # every app.
+        assert entry.tools == declared_effects(app)
+        assert (entry.tools["t.read"], entry.tools["t.write"]) == (
+            "read_only", "idempotent_write")
     assert store.live() == []
 
 
