@@ -49,6 +49,9 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_store_wait_timeout": 1.0,
     # None: the version of the app's distribution, if found (default_release).
     "tooleffect_release": None,
+    # On a Redis broker, take a message and record it unacknowledged in one
+    # script (celery_tooleffect.store.transport); False keeps kombu's fetch.
+    "tooleffect_atomic_fetch": True,
 }
 
 
@@ -98,6 +101,9 @@ class Settings:
     #: The release of the code the workers run (``tooleffect_release``), published
     #: with the effects a worker declares ('' when unknown).
     release: str = ""
+    #: The broker is Redis and its messages are fetched by the package's atomic
+    #: fetch (``tooleffect_atomic_fetch``, on by default).
+    atomic_fetch: bool = False
 
     @property
     def store_endpoint(self) -> RedisEndpoint:
@@ -233,7 +239,20 @@ def _read(app: Celery) -> Settings:
         store_wait_timeout=wait_timeout,
         release=(default_release(app) if conf.get("tooleffect_release") is None
                  else str(conf.get("tooleffect_release"))),
+        atomic_fetch=broker_is_redis and atomic_fetch_enabled(conf),
     )
+
+
+def atomic_fetch_enabled(conf: Mapping[str, Any]) -> bool:
+    """``tooleffect_atomic_fetch``: whether a Redis broker's messages are fetched
+    by the package's atomic fetch (True unless set to False)."""
+    value = conf.get("tooleffect_atomic_fetch")
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ConfigurationError(
+            f"tooleffect_atomic_fetch must be True or False, not {value!r}")
+    return value
 
 
 def default_release(app: Celery) -> str:

@@ -45,7 +45,8 @@ from .worker.attempt import (
 )
 from .worker.children import current_parent
 from .worker.consumer import install_consumer_step
-from .worker.execution import run_tool
+from .worker.execution import acknowledge_success, run_tool
+from .worker.fetch import install_atomic_fetch
 from .worker.letters import decided_with_error
 from .worker.retries import (
     REQUESTED_EXHAUSTED_MARK,
@@ -153,6 +154,7 @@ class ToolTask(Task):  # type: ignore[misc]
         refuse_unbounded_retries(cls)
         connect_signals()
         install_consumer_step(app)
+        install_atomic_fetch(app)
         install_approval_sweep(app)
         install_startup_checks(app)
         return bound
@@ -383,6 +385,15 @@ class ToolTask(Task):  # type: ignore[misc]
         elif step is not None:
             raise InvalidCallId(f"{self.name}: step= names a tool called in a tool's body")
         return super().apply(args, kwargs, **options)
+
+    def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any,
+                     einfo: Any) -> None:
+        # Celery's tracer (celery/app/trace.py) calls this once it stored the
+        # result: a success the main process acknowledges nothing of is
+        # acknowledged here, if no script of the call did it.
+        if not self._tooleffect_plain and status == "SUCCESS":
+            acknowledge_success(self, self.request)
+        super().after_return(status, retval, task_id, args, kwargs, einfo)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._tooleffect_plain:

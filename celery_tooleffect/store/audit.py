@@ -34,6 +34,7 @@ from ..events import AuditEvent
 from ..settings import Settings, settings_for
 from .connections import Command, client_for, one_round_trip
 from .keys import Keys, unescape_hash_tag
+from .leases import BrokerAck
 from .lua import KeyOrArg, script
 
 if TYPE_CHECKING:
@@ -219,14 +220,17 @@ class AuditLog:
     def client(self) -> redis.Redis:
         return client_for(self.settings.store_endpoint, self.settings.socket_timeout)
 
-    def record_step(self, event: AuditEvent, result: StoredResult | None = None) -> bool:
+    def record_step(self, event: AuditEvent, result: StoredResult | None = None,
+                    ack: BrokerAck | None = None) -> bool:
         """Append ``event`` to its run's stream. Never raises; True if stored.
 
         The copy to the global stream travels in the same round trip.
         ``result`` (the result backend is this Redis): stored and published in
         the same script, so a READ_ONLY call's outcome and its Celery result
         are one round trip; when this returns False the caller must leave the
-        result to Celery.
+        result to Celery. ``ack`` (the broker is this Redis): the task's
+        message is acknowledged in the same script; when this returns False
+        it was not.
         """
         try:
             run_id = str(event["run_id"])
@@ -234,10 +238,12 @@ class AuditLog:
             script("append_event").call_with(
                 self.client,
                 [self.keys.run_events(run_id), self.keys.run_seq(run_id),
-                 *([result.key] if result is not None else [])],
+                 *([result.key] if result is not None else []),
+                 *((ack.unacked_key, ack.index_key) if ack is not None else ())],
                 [self.settings.run_stream_maxlen, self.settings.journal_ttl,
                  (result.expires or 0) if result is not None else 0,
-                 result.value if result is not None else "", *fields],
+                 result.value if result is not None else "",
+                 ack.tag if ack is not None else "", *fields],
                 also=[self.global_copy(fields)],
             )
         except Exception as exc:
@@ -257,7 +263,7 @@ class AuditLog:
                 run_id = str(event["run_id"])
                 calls.append(([self.keys.run_events(run_id), self.keys.run_seq(run_id)],
                               [self.settings.run_stream_maxlen, self.settings.journal_ttl,
-                               0, "", *fields]))
+                               0, "", "", *fields]))
             answers = script("append_event").call_many(
                 self.client, calls, also=[self.global_copy(fields) for fields in flat])
         except Exception as exc:

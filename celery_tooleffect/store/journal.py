@@ -26,7 +26,7 @@ from .audit import AuditLog, StoredResult, flatten, text
 from .connections import one_round_trip
 from .durability import Durability
 from .keys import Keys
-from .leases import BrokerLease
+from .leases import BrokerAck, BrokerLease
 from .lua import script
 from .states import Ending, JournalState, Verdict, allowed_argument
 
@@ -217,6 +217,7 @@ class Journal:
         earlier_copy: AuditEvent | None = None,
         ending: Ending | None = None,
         result: StoredResult | None = None,
+        ack: BrokerAck | None = None,
     ) -> Transition:
         """Move the entry to ``new_state`` and store ``event``, atomically.
 
@@ -248,7 +249,8 @@ class Journal:
         try:
             replies = script("transition").call_then(
                 self.client,
-                [*self._keys(ref), *([result.key] if result is not None else [])],
+                [*self._keys(ref), *([result.key] if result is not None else []),
+                 *((ack.unacked_key, ack.index_key) if ack is not None else ())],
                 [
                     token,
                     allowed_argument(allowed),
@@ -261,6 +263,7 @@ class Journal:
                     len(journal_fields) // 2,
                     (result.expires or 0) if result is not None else 0,
                     result.value if result is not None else "",
+                    ack.tag if ack is not None else "",
                     *journal_fields,
                     *event_fields,
                 ],

@@ -59,6 +59,18 @@ class BrokerLease:
         return lease_end - self.visibility_timeout
 
 
+@dataclass(frozen=True)
+class BrokerAck:
+    """The acknowledgement of one delivered message on kombu's Redis transport,
+    done by a store script (what ``QoS.ack`` does: ``ZREM unacked_index`` and
+    ``HDEL unacked``), so that the message leaves ``unacked`` in the same
+    atomic step that records how its call ended."""
+
+    tag: str
+    unacked_key: str
+    index_key: str
+
+
 class Leases:
     """Extends broker leases of one app's messages."""
 
@@ -74,6 +86,7 @@ class Leases:
         # script, for one), so the prefix is added here.
         self._index_key = prefix + str(options.get("unacked_index_key", "unacked_index"))
         self._mutex_key = prefix + str(options.get("unacked_mutex_key", "unacked_mutex"))
+        self._unacked_key = prefix + str(options.get("unacked_key", "unacked"))
 
     @property
     def supported(self) -> bool:
@@ -110,6 +123,22 @@ class Leases:
             mutex_key=self._mutex_key,
             visibility_timeout=self.settings.visibility_timeout,
         )
+
+    def broker_ack(self, properties: Mapping[str, Any] | None) -> BrokerAck | None:
+        """The acknowledgement a store script can do for the message with these
+        properties: only when the broker is the store's Redis
+        (:attr:`shares_the_store`), else None."""
+        tag = (properties or {}).get("delivery_tag")
+        if tag is None or not self.supported or not self.shares_the_store:
+            return None
+        return BrokerAck(str(tag), self._unacked_key, self._index_key)
+
+    def acknowledge(self, ack: BrokerAck) -> None:
+        """Acknowledge the message alone (when no script could carry it)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zrem(ack.index_key, ack.tag)
+        pipe.hdel(ack.unacked_key, ack.tag)
+        pipe.execute()
 
     def extend_lease(self, lease: BrokerLease, lease_end: float) -> LeaseVerdict:
         """Keep the message until ``lease_end``; waits out a running restore sweep."""

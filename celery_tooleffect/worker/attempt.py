@@ -44,10 +44,18 @@ FENCING_TOKEN_FIELD = "tooleffect_fencing_token"
 #: that needs approval was approved (a producer's header of this name is
 #: refused as forged, as any ``tooleffect_*`` header).
 APPROVED_FIELD = "tooleffect_approved"
+#: Set by the worker's main process when the pool process acknowledges the
+#: message itself on success (the broker is the store's Redis): with the
+#: call's outcome, in the same script, or else alone once Celery stored the
+#: result (``ToolTask.after_return``). The main process then sends nothing.
+ACK_FIELD = "tooleffect_ack"
+#: Set by the pool process once it acknowledged the message (see ACK_FIELD).
+ACKED_FIELD = "tooleffect_acked"
 #: The option ``ToolTask.signature_from_request`` adds: a republish of a task
 #: from its own request (a retry, a deferral), which claims no id.
 REPUBLISH_OPTION = "_tooleffect_republish"
-INTERNAL_FIELDS = (TOKEN_FIELD, FORGED_FIELD, FENCING_TOKEN_FIELD, APPROVED_FIELD)
+INTERNAL_FIELDS = (TOKEN_FIELD, FORGED_FIELD, FENCING_TOKEN_FIELD, APPROVED_FIELD, ACK_FIELD,
+                   ACKED_FIELD)
 
 
 _tokens: dict[int, tuple[str, Iterator[int]]] = {}

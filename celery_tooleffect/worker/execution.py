@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import redis
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.serialization import dumps, loads
@@ -65,6 +66,8 @@ from ..store.runtime import ToolRuntime
 from ..store.states import ApprovalState, Ending, JournalState, Verdict
 from . import telemetry
 from .attempt import (
+    ACK_FIELD,
+    ACKED_FIELD,
     APPROVED_FIELD,
     FENCING_TOKEN_FIELD,
     FORGED_FIELD,
@@ -160,6 +163,10 @@ class Execution:
             interactive=bool(request.is_eager or request.called_directly),
             retries=int(request.retries or 0),
         )
+        #: The acknowledgement of this delivery that rides with its success
+        #: (the main process asked for it: the broker is the store's Redis).
+        self.ack = (self.runtime.leases.broker_ack(request.properties)
+                    if fields.get(ACK_FIELD) and not self.attempt.interactive else None)
 
     @property
     def label(self) -> str:
@@ -296,10 +303,13 @@ class Execution:
                 payload=self._payload(result=result),
             ),
             result=stored,
+            ack=self.ack,
         ):
             telemetry.audit_write_failed("read", attempt.effect.value)
-        elif stored is not None:
-            stored_by_the_outcome(self.request)
+        else:
+            self._acknowledged()
+            if stored is not None:
+                stored_by_the_outcome(self.request)
         return result
 
     def _run_write(self) -> Any:
@@ -357,7 +367,7 @@ class Execution:
             moved = runtime.journal.transition(
                 attempt.ref, new_state=JournalState.SUCCEEDED,
                 allowed=states.SUCCEED_FROM, token=attempt.token, event=event,
-                earlier_copy=begin.intent_event, result=stored,
+                earlier_copy=begin.intent_event, result=stored, ack=self.ack,
                 fields=self._kept(result) if attempt.interactive else None,
             )
         except StoreUnavailable as store_down:
@@ -382,9 +392,16 @@ class Execution:
             runtime.dead_letters.record_late_outcome(attempt.task_id, event)
             if not attempt.interactive:
                 raise LeaseLost(f"{self.label} finished after losing its lease")
-        elif stored is not None:
-            stored_by_the_outcome(self.request)
+        else:
+            self._acknowledged()
+            if stored is not None:
+                stored_by_the_outcome(self.request)
         return result
+
+    def _acknowledged(self) -> None:
+        """The script that recorded the success acknowledged the message too."""
+        if self.ack is not None:
+            setattr(self.request, ACKED_FIELD, True)
 
     # -- before the body -------------------------------------------------------
 
@@ -592,7 +609,7 @@ class Execution:
         try:
             moved = self.runtime.journal.transition(
                 attempt.ref, new_state=JournalState.SUCCEEDED,
-                allowed=states.RECONCILED_FROM, token="", event=event,
+                allowed=states.RECONCILED_FROM, token="", event=event, ack=self.ack,
             )
         except StoreUnavailable as store_down:
             not_recorded = IntentNotRecorded(
@@ -608,6 +625,7 @@ class Execution:
         if not moved:
             # Another delivery settled or resumed it meanwhile: that one ends it.
             raise LeaseLost(f"{self.label}: settled by another delivery while reconciling")
+        self._acknowledged()
         return answer
 
     # -- call identity (docs/identity.md) ----------------------------------------
@@ -905,6 +923,34 @@ class KeptResult:
     called in a tool's body whose parent runs again): its kept result."""
 
     value: Any
+
+
+def acknowledge_success(tool: Tool, request: Context) -> None:
+    """Acknowledge a successful call's message from the pool process, when the
+    main process asked for that (``ACK_FIELD``) and no script of the call
+    carried it (a read whose audit append failed, a result kept from an
+    earlier attempt): alone, now that Celery stored the result. Called by
+    ``ToolTask.after_return``, which Celery's tracer calls after it stored it.
+
+    The main process acknowledges nothing on success (``ToolRequest``), so a
+    message this cannot acknowledge (the broker refused) stays in ``unacked``:
+    kombu restores it after the visibility timeout and its next delivery is
+    settled by the journal (a write) or runs again (a read).
+    """
+    if not getattr(request, ACK_FIELD, None) or getattr(request, ACKED_FIELD, False):
+        return
+    if request.is_eager or request.called_directly:
+        return
+    leases = tool.runtime.leases
+    ack = leases.broker_ack(request.properties)
+    if ack is None:
+        return
+    setattr(request, ACKED_FIELD, True)
+    try:
+        leases.acknowledge(ack)
+    except redis.RedisError as exc:
+        logger.warning("%s[%s] succeeded but its message was not acknowledged (%s); kombu "
+                       "restores it after the visibility timeout", tool.name, request.id, exc)
 
 
 def reconciler(tool: Any) -> Callable[..., Any] | None:

@@ -63,6 +63,7 @@ from ..store.envelope import MessageEnvelope
 from ..store.runtime import ToolRuntime, runtime_for
 from ..store.states import Ending, JournalState
 from .attempt import (
+    ACK_FIELD,
     FORGED_FIELD,
     TOKEN_FIELD,
     Attempt,
@@ -118,6 +119,29 @@ class ToolRequest(Request):  # type: ignore[misc]
         forged = forged_headers(self._request_dict)
         self._request_dict[TOKEN_FIELD] = self._tooleffect_token
         self._request_dict[FORGED_FIELD] = forged
+        #: On success the pool process acknowledges the message, with the
+        #: call's outcome when it can (the broker is the store's Redis): see
+        #: :meth:`acknowledge`.
+        self._tooleffect_ack_in_pool = (
+            self.runtime.leases.broker_ack(message.properties) is not None)
+        if self._tooleffect_ack_in_pool:
+            self._request_dict[ACK_FIELD] = "1"
+        self._tooleffect_succeeded = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Celery's create_request_cls (celery/worker/request.py) subclasses
+        # this class per task and defines on_success there, which calls
+        # acknowledge() when the call succeeded: note that it did.
+        generated = cls.__dict__.get("on_success")
+        if generated is None:
+            return
+
+        def on_success(self: ToolRequest, failed__retval__runtime: Any, **kwargs: Any) -> Any:
+            self._tooleffect_succeeded = not failed__retval__runtime[0]
+            return generated(self, failed__retval__runtime, **kwargs)
+
+        cls.on_success = on_success
 
     @property
     def runtime(self) -> ToolRuntime:
@@ -229,6 +253,12 @@ class ToolRequest(Request):  # type: ignore[misc]
         # acknowledged. Here, not in on_success: Celery's create_request_cls
         # replaces on_success with a copy that acknowledges by this method.
         crash_point("before_ack", self.name)
+        if self._tooleffect_succeeded and self._tooleffect_ack_in_pool:
+            # The pool process acknowledged it (ACK_FIELD): with the outcome's
+            # script, or alone after the result was stored. Only kombu's
+            # bookkeeping in this process is left.
+            self._forget_delivery()
+            return
         super().acknowledge()
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
@@ -493,7 +523,8 @@ class ToolRequest(Request):  # type: ignore[misc]
         super().on_failure(exception_info(Retry(exc=exc, sig=signature)))
 
     def _forget_delivery(self) -> None:
-        """Drop the message locally without acknowledging it on the broker.
+        """Drop the message locally without acknowledging it on the broker:
+        the pool process acknowledged it, or another delivery holds it now.
 
         On Redis the delivery tag is shared with the new holder of the
         message; an acknowledgement would delete the new holder's copy.

@@ -8,11 +8,20 @@
 -- ARGV[1] stream MAXLEN, ARGV[2] ttl seconds
 -- ARGV[3] with KEYS[3]: the result's expiry in seconds ('0' = none)
 -- ARGV[4] with KEYS[3]: the result, encoded by Celery's backend ('' without)
--- ARGV[5..] event field/value pairs
+-- ARGV[5] the delivery tag of the task's message, to acknowledge with the event
+--         ('' = none); then the last two keys are kombu's unacked hash and
+--         unacked_index (the broker is this Redis)
+-- ARGV[6..] event field/value pairs
 -- Returns {entry id, seq}.
 
-local appended = append_event(KEYS[1], KEYS[2], ARGV[1], ARGV[2], slice(ARGV, 5, #ARGV), {})
-if #KEYS >= 3 then
+local ack_tag = ARGV[5]
+local result_keys = #KEYS
+if ack_tag ~= '' then result_keys = result_keys - 2 end
+local appended = append_event(KEYS[1], KEYS[2], ARGV[1], ARGV[2], slice(ARGV, 6, #ARGV), {})
+if result_keys >= 3 then
   store_result(KEYS[3], ARGV[4], tonumber(ARGV[3]))
+end
+if ack_tag ~= '' then
+  ack_message(KEYS[#KEYS - 1], KEYS[#KEYS], ack_tag)
 end
 return appended

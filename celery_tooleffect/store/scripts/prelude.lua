@@ -57,6 +57,14 @@ local function store_result(key, value, expires)
   redis.call('PUBLISH', key, value)
 end
 
+-- ack_message acknowledges a message of kombu's Redis transport as kombu's
+-- QoS.ack does (ZREM from unacked_index, HDEL from unacked): the message
+-- leaves the broker in the same atomic step as what the calling script records.
+local function ack_message(unacked, index, tag)
+  redis.call('ZREM', index, tag)
+  redis.call('HDEL', unacked, tag)
+end
+
 -- ARGV[from..to] as a Lua list.
 local function slice(list, from, to)
   local out = {}

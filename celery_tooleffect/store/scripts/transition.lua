@@ -17,7 +17,10 @@
 -- ARGV[9] N, the number of extra journal field/value pairs
 -- ARGV[10] with KEYS[4]: the result's expiry in seconds ('0' = none)
 -- ARGV[11] with KEYS[4]: the result, encoded by Celery's backend ('' without)
--- ARGV[12 .. 11+2N] journal field/value pairs, then event field/value pairs
+-- ARGV[12] the delivery tag of the task's message, to acknowledge when the
+--          entry moves ('' = none); then the last two keys are kombu's unacked
+--          hash and unacked_index (the broker is this Redis)
+-- ARGV[13 .. 12+2N] journal field/value pairs, then event field/value pairs
 --
 -- Returns {'ok', previous state}, or {'late' | 'refused', current state, owner}.
 
@@ -27,8 +30,11 @@ local ttl, maxlen, now = ARGV[4], ARGV[5], ARGV[6]
 local record_late = ARGV[7] == '1'
 local counter = ARGV[8]
 local n = tonumber(ARGV[9])
-local journal_fields = slice(ARGV, 12, 11 + 2 * n)
-local event_fields = slice(ARGV, 12 + 2 * n, #ARGV)
+local ack_tag = ARGV[12]
+local journal_fields = slice(ARGV, 13, 12 + 2 * n)
+local event_fields = slice(ARGV, 13 + 2 * n, #ARGV)
+local result_keys = #KEYS
+if ack_tag ~= '' then result_keys = result_keys - 2 end
 
 local current = redis.call('HMGET', journal, 'state', 'owner')
 local state, owner = current[1] or 'absent', current[2] or ''
@@ -48,8 +54,11 @@ if state_allowed and (token == '' or owner == token or state == 'absent') then
   end
   redis.call('EXPIRE', journal, ttl)
   append_event(stream, seq, maxlen, ttl, event_fields, {})
-  if #KEYS >= 4 then
+  if result_keys >= 4 then
     store_result(KEYS[4], ARGV[11], tonumber(ARGV[10]))
+  end
+  if ack_tag ~= '' then
+    ack_message(KEYS[#KEYS - 1], KEYS[#KEYS], ack_tag)
   end
   return {'ok', state}
 end
