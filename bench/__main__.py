@@ -10,6 +10,7 @@ mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import socket
@@ -27,7 +28,7 @@ from celery import Celery
 
 from celery_tooleffect.testing import RedisServer, TcpProxy, redis_server
 
-from .app import IDLE_QUEUE, LATENCY_QUEUE, VARIANTS, config
+from .app import BASELINE, FETCH, IDLE_QUEUE, VARIANTS, config, latency_queue
 from .calls import (
     ONE_REDIS,
     CountingClient,
@@ -45,8 +46,11 @@ from .report import (
     machine,
     operations_table,
     round_trips_table,
+    summary_table,
+    target_checks,
+    targets_table,
 )
-from .servers import replicas_of, wait_ready, worker_environment, workers
+from .servers import check_fetch, replicas_of, wait_ready, worker_environment, workers
 from .store_scale import Timed, audit_read, dead_letter_operations
 
 #: The peer row's database on the machine's PostgreSQL (trust authentication).
@@ -57,7 +61,7 @@ DBOS_CALLS = 2000
 SMOKE = {
     "dbos": False, "rounds": 2, "calls": 100, "warmup": 20, "latency_rounds": 1,
     "latency_calls": 20,
-    "rt_small": 20, "rt_large": 60, "letters": 2000, "replay": 200, "small_letters": 100,
+    "rt_small": 40, "rt_large": 200, "letters": 2000, "replay": 200, "small_letters": 100,
     "global_events": 5000, "run_events": 100,
 }
 
@@ -154,39 +158,58 @@ def call_phases(args: argparse.Namespace, server: RedisServer, phases: set[str],
     figures = {variant: VariantFigures(variant) for variant in VARIANTS}
     poller = CountingClient(server.client(socket_timeout=60))
     quiet = producer_app(prefix, server.url, with_results=False)
+    # The fetches, the baseline's (kombu's) first, and the variants each runs.
+    fetches = list(dict.fromkeys(FETCH.values()))
     if "calls" in phases:
-        environment = worker_environment(prefix, server.url, prefetch=args.prefetch,
-                                         body_seconds=args.body_ms / 1000.0,
-                                         store_replicas=args.store_replicas)
-        with workers(args.workers, args.concurrency, environment, logdir,
-                     f"{IDLE_QUEUE},{LATENCY_QUEUE}") as started:
-            wait_ready(quiet, started)
-            throughput_rounds(quiet, started, prefix, poller, figures, rounds=args.rounds,
+        # One group of workers per fetch, all running through the rounds, so
+        # that the rounds interleave every variant as they would on one worker.
+        with contextlib.ExitStack() as stack:
+            groups = {}
+            for fetch in fetches:
+                environment = worker_environment(prefix, server.url, prefetch=args.prefetch,
+                                                 body_seconds=args.body_ms / 1000.0,
+                                                 store_replicas=args.store_replicas,
+                                                 fetch=fetch)
+                groups[fetch] = stack.enter_context(workers(
+                    args.workers, args.concurrency, environment, logdir,
+                    f"{IDLE_QUEUE},{latency_queue(fetch)}", name=fetch))
+            for fetch, started in groups.items():
+                wait_ready(quiet, started)
+                check_fetch(started, fetch)
+            throughput_rounds(quiet, groups, prefix, poller, figures, rounds=args.rounds,
                               calls=args.calls, warmup=args.warmup, progress=say)
             latency_rounds(producer_app(prefix, server.url, with_results=True), figures,
                            rounds=args.latency_rounds, calls=args.latency_calls, progress=say)
     if "round-trips" in phases:
         def count(proxies: dict[str, TcpProxy], one_redis: bool) -> None:
             urls = {role: proxy.url() for role, proxy in proxies.items()}
-            environment = worker_environment(
-                prefix, urls.get("broker", urls.get(ONE_REDIS, "")),
-                backend=urls.get("backend", urls.get(ONE_REDIS)),
-                store=urls.get("store", urls.get(ONE_REDIS)), prefetch=args.prefetch,
-                store_replicas=args.store_replicas)
-            with workers(args.workers, args.concurrency, environment, logdir,
-                         IDLE_QUEUE) as started:
-                wait_ready(quiet, started)
-                round_trip_counts(quiet, [worker.name for worker in started], prefix, poller,
-                                  server.client(socket_timeout=60), proxies, figures,
-                                  small=args.rt_small, large=args.rt_large, progress=say,
-                                  one_redis=one_redis)
+            # One fetch's workers at a time: only the workers that run the
+            # counted calls may reach Redis through the proxies.
+            for fetch in fetches:
+                environment = worker_environment(
+                    prefix, urls.get("broker", urls.get(ONE_REDIS, "")),
+                    backend=urls.get("backend", urls.get(ONE_REDIS)),
+                    store=urls.get("store", urls.get(ONE_REDIS)), prefetch=args.prefetch,
+                    store_replicas=args.store_replicas, fetch=fetch)
+                with workers(args.workers, args.concurrency, environment, logdir,
+                             IDLE_QUEUE, name=fetch) as started:
+                    wait_ready(quiet, started)
+                    check_fetch(started, fetch)
+                    round_trip_counts(
+                        quiet, [worker.name for worker in started], prefix, poller,
+                        server.client(socket_timeout=60), proxies, figures,
+                        small=args.rt_small, large=args.rt_large, progress=say,
+                        one_redis=one_redis,
+                        variants={variant: task for variant, task in VARIANTS.items()
+                                  if FETCH[variant] == fetch})
 
         with counting_proxy(server.port) as broker, counting_proxy(server.port) as backend, \
                 counting_proxy(server.port) as store:
             count({"broker": broker, "backend": backend, "store": store}, one_redis=False)
         # The common deployment: one Redis for all three, as the throughput
-        # rounds run. The package then stores Celery's result and the broker
-        # lease in its own scripts, so only the total can be counted.
+        # rounds run. The package then stores Celery's result, the broker lease
+        # and a successful call's acknowledgement in its own scripts, so only
+        # the total can be counted.
         with counting_proxy(server.port) as one:
             count({ONE_REDIS: one}, one_redis=True)
     return figures
@@ -234,11 +257,22 @@ def main(argv: list[str] | None = None) -> int:
                 replicas_of(server, args.replicas):
             figures = call_phases(args, server, phases, logdir)
         results["variants"] = {name: asdict(figure) for name, figure in figures.items()}
+        peer: VariantFigures | None = None
         if "calls" in phases:
             peer, peer_note = dbos_peer(args)
             say(f"DBOS Transact row: {peer_note}")
             if peer is not None:
                 results["dbos"] = asdict(peer)
+        checks = target_checks(figures, body_ms=args.body_ms)
+        results["targets"] = [asdict(check) for check in checks]
+        sections.append(
+            f"Side by side (baseline: {BASELINE}; every other Celery row fetches with the "
+            "package's atomic fetch; round trips from fetch to acknowledgement with broker, "
+            "result backend and store on one Redis; calls/s the median round; CPU all "
+            "processes' microseconds per call)\n\n"
+            + summary_table(figures, peer)
+            + "\n\nTargets (reported, not asserted)\n\n" + targets_table(checks))
+        if "calls" in phases:
             sections.append(f"Throughput: median of {args.rounds} rounds of {args.calls:,} "
                             f"calls; latency: {args.latency_rounds} rounds of "
                             f"{args.latency_calls} calls, one at a time, publish to "

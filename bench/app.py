@@ -2,11 +2,18 @@
 # (Celery ships no type hints: @app.task is untyped, as it is in any user code.)
 """The Celery app the benchmark's ``celery worker`` processes run.
 
-One body, five ways to run it: a plain Celery task with ``acks_late=True``
-(the baseline) and the four ``ToolTask`` variants the benchmark compares with
-it. By default the body does nothing, so that what is measured is the price
-the package adds to every call; ``BENCH_BODY_SECONDS`` makes it wait, as a
-tool waiting on a provider does.
+One body, six ways to run it: a plain Celery task with ``acks_late=True``
+fetched by kombu's own ``BRPOP`` (the baseline: what users run today), the
+same task fetched by the package's atomic fetch, and the four ``ToolTask``
+variants the benchmark compares with them (atomic fetch). By default the body
+does nothing, so that what is measured is the price the package adds to every
+call; ``BENCH_BODY_SECONDS`` makes it wait, as a tool waiting on a provider does.
+
+Which fetch a worker uses is ``BENCH_FETCH``: ``atomic`` (the default: the
+package's fetch, on because this app binds ``ToolTask``s) or ``kombu``
+(``tooleffect_atomic_fetch = False``: kombu's ``BRPOP`` and ``QoS.append``).
+Both kinds of worker run this same module, so the two plain rows differ in the
+fetch alone; a variant is run by a worker of its fetch (:data:`FETCH`).
 
 Configured from the environment by ``bench.servers``: ``BENCH_PREFIX`` (every key
 of the run), ``BENCH_BROKER``, ``BENCH_BACKEND`` and ``BENCH_STORE`` (the
@@ -14,9 +21,9 @@ Redis URLs of the broker, the result backend and the package's store: the
 round-trip phase points each at its own counting proxy), and
 ``BENCH_PREFETCH`` (Celery's ``worker_prefetch_multiplier``), and
 ``BENCH_GLOBAL_MAXLEN`` (the audit phase fills the global stream past the
-default cap of 100,000), and ``BENCH_STORE_REPLICAS``
+default cap of 100,000), ``BENCH_STORE_REPLICAS``
 (``tooleffect_store_replicas``: each journal write waits for that many
-replicas, ``--store-replicas``).
+replicas, ``--store-replicas``) and ``BENCH_FETCH`` (see above).
 """
 
 from __future__ import annotations
@@ -31,8 +38,18 @@ from celery_tooleffect import ToolEffect, ToolTask
 
 #: The queue every worker listens to when it is not measuring anything.
 IDLE_QUEUE = "bench-idle"
-#: The queue of the latency rounds (one call at a time).
+#: The queue of the latency rounds (one call at a time) of the atomic fetch's workers.
 LATENCY_QUEUE = "bench-latency"
+
+#: The two fetches (``BENCH_FETCH``): the package's atomic fetch, kombu's own.
+ATOMIC = "atomic"
+KOMBU = "kombu"
+
+
+def latency_queue(fetch: str) -> str:
+    """The latency rounds' queue of the workers with ``fetch`` (each kind its own,
+    so that a call is run by a worker of its variant's fetch)."""
+    return LATENCY_QUEUE if fetch == ATOMIC else f"{LATENCY_QUEUE}-{fetch}"
 
 
 def config(
@@ -44,11 +61,15 @@ def config(
     prefetch: int = 4,
     global_maxlen: int = 100_000,
     store_replicas: int = 0,
+    fetch: str = ATOMIC,
 ) -> dict[str, Any]:
     """The settings of every app of one benchmark run (workers, producers, CLI).
 
     Every key lives under ``prefix``; the visibility timeout is kombu's default.
+    ``fetch`` is the worker's fetch from the broker (:data:`ATOMIC` or :data:`KOMBU`).
     """
+    if fetch not in (ATOMIC, KOMBU):
+        raise ValueError(f"unknown fetch {fetch!r} (BENCH_FETCH): {ATOMIC} or {KOMBU}")
     return {
         "broker_url": broker,
         "result_backend": backend or broker,
@@ -62,6 +83,7 @@ def config(
         "tooleffect_redis_url": store,
         "tooleffect_global_stream_maxlen": global_maxlen,
         "tooleffect_store_replicas": store_replicas,
+        "tooleffect_atomic_fetch": fetch == ATOMIC,
     }
 
 
@@ -75,6 +97,7 @@ app.conf.update(
         prefetch=int(os.environ.get("BENCH_PREFETCH", "4")),
         global_maxlen=int(os.environ.get("BENCH_GLOBAL_MAXLEN", "100000")),
         store_replicas=int(os.environ.get("BENCH_STORE_REPLICAS", "0")),
+        fetch=os.environ.get("BENCH_FETCH", ATOMIC),
     )
 )
 
@@ -118,11 +141,21 @@ def non_idempotent_deadline(n: int) -> int:
     return work(n)
 
 
-#: The variants, baseline first, in the order the rounds interleave them.
+#: The baseline: plain Celery as users run it today, fetched by kombu's BRPOP.
+BASELINE = "plain celery, kombu's fetch"
+#: Plain Celery fetched by the package's atomic fetch.
+PLAIN_ATOMIC = "plain celery, atomic fetch"
+
+#: The variants (their task), baseline first, in the order the rounds interleave them.
 VARIANTS = {
-    "plain celery (acks_late)": "bench.plain",
+    BASELINE: "bench.plain",
+    PLAIN_ATOMIC: "bench.plain",
     "READ_ONLY": "bench.read_only",
     "IDEMPOTENT_WRITE": "bench.idempotent_write",
     "NON_IDEMPOTENT_WRITE": "bench.non_idempotent_write",
     "NON_IDEMPOTENT_WRITE + deadline": "bench.non_idempotent_deadline",
 }
+
+#: The fetch of the workers that run each variant: the baseline kombu's, every
+#: other one the package's atomic fetch.
+FETCH = {variant: KOMBU if variant == BASELINE else ATOMIC for variant in VARIANTS}

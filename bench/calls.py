@@ -1,8 +1,10 @@
 """The tool-call phases: throughput, latency and Redis round trips per call.
 
-Every variant (``bench.app.VARIANTS``) runs on the same ``celery worker``
-processes, in rounds interleaved A B C D E A B C D E ..., so that what the
-machine does meanwhile falls on all of them alike.
+Every variant (``bench.app.VARIANTS``) runs on the ``celery worker`` processes
+of its fetch (``bench.app.FETCH``: the baseline on workers with kombu's own
+fetch, every other variant on workers with the package's atomic fetch; both
+kinds run all along), in rounds interleaved A B C D E F A B C D E F ..., so
+that what the machine does meanwhile falls on all of them alike.
 
 - **Throughput**: a round publishes N calls to a queue of its own that no
   worker consumes yet, then tells the workers to consume it
@@ -29,7 +31,7 @@ import statistics
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -39,7 +41,7 @@ from celery import Celery
 
 from celery_tooleffect.testing import WorkerProcess
 
-from .app import LATENCY_QUEUE, VARIANTS, config
+from .app import FETCH, VARIANTS, config, latency_queue
 from .servers import redis_cpu_seconds
 
 
@@ -170,14 +172,18 @@ def cpu_seconds(started: Sequence[WorkerProcess], server: redis.Redis) -> dict[s
     return {"worker main": main, "pool": pool, "redis": redis_cpu_seconds(server)}
 
 
-def throughput_rounds(app: Celery, started: Sequence[WorkerProcess], prefix: str,
-                      poller: CountingClient, figures: dict[str, VariantFigures], *,
-                      rounds: int, calls: int, warmup: int,
-                      progress: Callable[[str], None]) -> None:
-    """Interleaved throughput rounds (after one discarded warm-up round each)."""
-    worker_names = [worker.name for worker in started]
+def throughput_rounds(app: Celery, groups: Mapping[str, Sequence[WorkerProcess]],
+                      prefix: str, poller: CountingClient,
+                      figures: dict[str, VariantFigures], *, rounds: int, calls: int,
+                      warmup: int, progress: Callable[[str], None]) -> None:
+    """Interleaved throughput rounds (after one discarded warm-up round each).
+
+    ``groups``: the running workers of each fetch; a variant's round is run,
+    and its CPU counted, on the workers of its fetch (``bench.app.FETCH``)."""
     for number in range(-1 if warmup else 0, rounds):
         for variant, task_name in VARIANTS.items():
+            started = groups[FETCH[variant]]
+            worker_names = [worker.name for worker in started]
             size = warmup if number < 0 else calls
             queue = f"bench-tp-{uuid.uuid4().hex[:8]}"
             ids = publish(app, task_name, queue, size)
@@ -199,13 +205,16 @@ def throughput_rounds(app: Celery, started: Sequence[WorkerProcess], prefix: str
 
 def latency_rounds(app: Celery, figures: dict[str, VariantFigures], *, rounds: int,
                    calls: int, progress: Callable[[str], None]) -> None:
-    """Interleaved rounds of one call at a time; latency = publish to date_done."""
+    """Interleaved rounds of one call at a time; latency = publish to date_done.
+
+    Each call goes to the latency queue of its variant's fetch (its workers')."""
     for number in range(rounds):
         for variant, task_name in VARIANTS.items():
+            queue = latency_queue(FETCH[variant])
             taken = []
             for call in range(calls + 5):
                 started = time.time()
-                result = app.send_task(task_name, args=[call], queue=LATENCY_QUEUE)
+                result = app.send_task(task_name, args=[call], queue=queue)
                 if result.get(timeout=30) != call:
                     raise RuntimeError(f"{task_name} answered wrongly")
                 done_at = result.date_done.timestamp()
@@ -243,14 +252,20 @@ def snapshot(proxies: dict[str, Any], server: redis.Redis, poller: CountingClien
 def round_trip_counts(app: Celery, worker_names: list[str], prefix: str,
                       poller: CountingClient, server: redis.Redis, proxies: dict[str, Any],
                       figures: dict[str, VariantFigures], *, small: int, large: int,
-                      progress: Callable[[str], None], one_redis: bool = False) -> None:
-    """Round trips and commands per call, from two batches of different sizes.
+                      progress: Callable[[str], None], one_redis: bool = False,
+                      variants: Mapping[str, str] | None = None) -> None:
+    """Round trips and commands per call, from two batches of different sizes,
+    of each of ``variants`` (variant: task name; default: every variant).
+
+    Only the workers that run the variants may be connected through the
+    proxies meanwhile (another worker's idle polling would be counted).
 
     ``one_redis``: broker, result backend and store are one Redis behind one
-    proxy (the package then stores results and broker leases in its own
-    scripts); its figure is kept as the round trips of role ``one redis``,
-    beside those of the per-role run."""
-    for variant, task_name in VARIANTS.items():
+    proxy (the package then stores results, broker leases and the
+    acknowledgement of a successful call in its own scripts); its figure is
+    kept as the round trips of role ``one redis``, beside those of the
+    per-role run."""
+    for variant, task_name in (VARIANTS if variants is None else variants).items():
         spent: list[tuple[dict[str, int], Counter[str]]] = []
         # A first batch is discarded: connecting, loading scripts and the
         # like happen once per pool process and would not cancel out.

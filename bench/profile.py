@@ -11,6 +11,10 @@ most samples::
 
     python -m bench.profile --variant READ_ONLY --seconds 20
     python -m bench.profile --variant "NON_IDEMPOTENT_WRITE + deadline"
+    python -m bench.profile --variant "plain celery, kombu's fetch"
+
+The worker fetches as the variant's row of ``python -m bench`` does
+(``bench.app.FETCH``: kombu's own fetch for the baseline, else the atomic one).
 
 py-spy needs ptrace (root, or ``kernel.yama.ptrace_scope`` 0); it is in the
 ``bench`` extra.
@@ -30,9 +34,9 @@ from pathlib import Path
 
 from celery_tooleffect.testing import redis_server
 
-from .app import IDLE_QUEUE, VARIANTS
+from .app import FETCH, IDLE_QUEUE, VARIANTS
 from .calls import producer_app, publish
-from .servers import wait_ready, worker_environment, workers
+from .servers import check_fetch, wait_ready, worker_environment, workers
 
 #: What a frame belongs to, by the path py-spy prints (first match wins).
 PARTS = (
@@ -119,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"bench:{uuid.uuid4().hex[:8]}:"
     with redis_server(appendonly=True) as server:
         app = producer_app(prefix, server.url, with_results=False)
-        environment = worker_environment(prefix, server.url)
-        with workers(1, 2, environment, logdir, IDLE_QUEUE) as started:
+        fetch = FETCH[args.variant]
+        environment = worker_environment(prefix, server.url, fetch=fetch)
+        with workers(1, 2, environment, logdir, IDLE_QUEUE, name=fetch) as started:
             wait_ready(app, started)
+            check_fetch(started, fetch)
             stop = threading.Event()
 
             def keep_the_queue_full() -> None:

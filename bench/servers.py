@@ -26,6 +26,8 @@ from celery_tooleffect.testing import (
 )
 from celery_tooleffect.worker.replication import online_replicas
 
+from .app import ATOMIC
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -37,28 +39,30 @@ def redis_cpu_seconds(client: redis.Redis) -> float:
 
 def worker_environment(prefix: str, broker: str, *, backend: str | None = None,
                        store: str | None = None, prefetch: int = 4,
-                       body_seconds: float = 0.0, store_replicas: int = 0) -> dict[str, str]:
-    """What ``bench.app`` reads: the run's prefix, Redis URLs, body time and
-    the replicas each journal write waits for."""
+                       body_seconds: float = 0.0, store_replicas: int = 0,
+                       fetch: str = ATOMIC) -> dict[str, str]:
+    """What ``bench.app`` reads: the run's prefix, Redis URLs, body time, the
+    replicas each journal write waits for and the fetch from the broker."""
     return dict(
         os.environ, BENCH_PREFIX=prefix, BENCH_BROKER=broker, BENCH_BACKEND=backend or "",
         BENCH_STORE=store or "", BENCH_PREFETCH=str(prefetch),
         BENCH_BODY_SECONDS=repr(body_seconds), BENCH_STORE_REPLICAS=str(store_replicas),
-        PYTHONPATH=str(ROOT),
+        BENCH_FETCH=fetch, PYTHONPATH=str(ROOT),
     )
 
 
 @contextlib.contextmanager
 def workers(count: int, concurrency: int, environment: dict[str, str], logdir: Path,
-            queues: str) -> Iterator[list[WorkerProcess]]:
+            queues: str, name: str = "bench") -> Iterator[list[WorkerProcess]]:
     """Start ``count`` prefork ``celery -A bench.app worker``s listening to
-    ``queues`` (:func:`wait_ready` waits until they answer); stopped at the end."""
+    ``queues``, named ``<name><index>-...`` (:func:`wait_ready` waits until
+    they answer); stopped at the end."""
     started: list[WorkerProcess] = []
     try:
         for index in range(count):
-            log = logdir / f"bench{index}-{os.urandom(3).hex()}.log"
+            log = logdir / f"{name}{index}-{os.urandom(3).hex()}.log"
             started.append(start_celery_worker(
-                "bench.app", log, concurrency=concurrency, name=f"bench{index}", wait=False,
+                "bench.app", log, concurrency=concurrency, name=f"{name}{index}", wait=False,
                 env=environment, queues=queues, loglevel="WARNING", root=ROOT,
             ))
         yield started
@@ -80,6 +84,25 @@ def wait_ready(app: Any, started: list[WorkerProcess], timeout: float = 60.0) ->
         return names <= answered
 
     wait_for(ready, timeout=timeout, interval=0.2, what="the workers to answer a ping")
+
+
+#: What a worker's start-up banner adds to its transport line when it fetches
+#: with the package's atomic fetch (``celery_tooleffect.store.transport``).
+ATOMIC_BANNER = "(atomic fetch)"
+
+
+def check_fetch(started: list[WorkerProcess], fetch: str) -> None:
+    """Raise unless every worker's start-up banner says it uses ``fetch`` (call
+    after :func:`wait_ready`: the banner is printed before the worker answers)."""
+    for worker in started:
+        banner = next((line for line in worker.output().splitlines()
+                       if "transport:" in line), None)
+        if banner is None:
+            raise RuntimeError(f"worker {worker.name} printed no transport line:\n"
+                               f"{worker.output()[-4000:]}")
+        if (ATOMIC_BANNER in banner) != (fetch == ATOMIC):
+            raise RuntimeError(f"worker {worker.name} should use the {fetch} fetch, "
+                               f"its banner says: {banner.strip()}")
 
 
 @contextlib.contextmanager

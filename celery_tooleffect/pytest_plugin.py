@@ -222,7 +222,9 @@ class ToolHarness:
         With ``crash_at``, a worker armed for that boundary takes the call and
         SIGKILLs itself there; then a fresh worker takes the redelivery (for
         ``before_ack``, the call returns once the redelivery left its mark in
-        the audit trail) (``kill="pool"``: only its pool process dies, and the same worker's
+        the audit trail; when the broker is the store's Redis the message was
+        acknowledged with the outcome, before that boundary, and nothing is
+        delivered again) (``kill="pool"``: only its pool process dies, and the same worker's
         main process handles the lost child and the redelivery). With
         ``store_fault_at``, the store (a Redis of its own) refuses every write
         from that boundary on, until the call ended; then it accepts writes
@@ -271,13 +273,20 @@ class ToolHarness:
             self.worker()
         wait_for(lambda: self._ended(task_id), timeout=timeout,
                  what=f"{name}[{task_id}] to end\n" + self.ending(task_id).describe())
-        if crashed and crash_at == "before_ack" and self.ending(task_id).settled == "succeeded":
+        if (crashed and crash_at == "before_ack" and not self.acknowledged_with_outcome()
+                and self.ending(task_id).settled == "succeeded"):
             # The call had ended before the worker died: wait for the redelivery
             # (an event after the crash: a read runs again, a write says
             # duplicate_ignored), so the ending shows what the redelivery did.
             wait_for(lambda: len(self.ending(task_id).events) > seen, timeout=timeout,
                      what=f"{name}[{task_id}] to be delivered again after the crash")
         return dataclasses.replace(self.ending(task_id), crashed=crashed, crash_at=crash_at)
+
+    def acknowledged_with_outcome(self) -> bool:
+        """Whether a successful call's message is acknowledged by the script that
+        records its outcome (the broker is the store's Redis), so that a crash
+        at ``before_ack`` comes after its acknowledgement."""
+        return runtime_for(self.app).leases.broker_ack({"delivery_tag": "-"}) is not None
 
     def _ended(self, task_id: str) -> bool:
         ending = self.ending(task_id)

@@ -69,6 +69,10 @@ __all__ = [
 
 #: The Redis the test suite and the crash test use (broker, results, store).
 REDIS_URL = os.environ.get("TOOLEFFECT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+#: The fetch the test suite's apps use on a Redis broker: ``atomic`` (the
+#: package's, the default) or ``kombu`` (``tooleffect_atomic_fetch=False``).
+#: CI runs the core scenarios with each.
+TEST_FETCH = os.environ.get("TOOLEFFECT_TEST_FETCH", "atomic")
 
 _T = TypeVar("_T")
 
@@ -278,6 +282,7 @@ def app_config(prefix: str, **overrides: Any) -> dict[str, Any]:
         "tooleffect_backoff_cap": 0.2,
         "tooleffect_max_retries": 2,
         "tooleffect_socket_timeout": 2.0,
+        "tooleffect_atomic_fetch": TEST_FETCH != "kombu",
     }
     conf.update(overrides)
     return conf

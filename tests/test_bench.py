@@ -2,8 +2,10 @@
 
 Benchmarks are not tests and nothing here is timed. The smoke run checks that
 every phase runs to its end on real workers and a real Redis, that every call
-ended in SUCCESS (the program fails otherwise), and that the round trips it
-counts are the design's minimum (one per journal step): a count, not a speed.
+ended in SUCCESS (the program fails otherwise), that the baseline really
+fetches with kombu's ``BRPOP`` and every other row with the package's atomic
+fetch, and that the round trips it counts are the design's (a count, not a
+speed).
 """
 
 from __future__ import annotations
@@ -17,15 +19,54 @@ import pytest
 
 from tests.conftest import TESTS
 
-#: Store round trips of one successful call: one per journal transition for a
-#: write, the fail-soft audit append for a read (README, "Redis round trips").
-STORE_FLOOR = {
-    "plain celery (acks_late)": 0,
-    "READ_ONLY": 1,
-    "IDEMPOTENT_WRITE": 2,
-    "NON_IDEMPOTENT_WRITE": 2,
-    "NON_IDEMPOTENT_WRITE + deadline": 2,
+BASELINE = "plain celery, kombu's fetch"
+PLAIN_ATOMIC = "plain celery, atomic fetch"
+WRITES = ("IDEMPOTENT_WRITE", "NON_IDEMPOTENT_WRITE", "NON_IDEMPOTENT_WRITE + deadline")
+
+# Round trips of one successful call, fetch to acknowledgement, derived from
+# the commands each step sends (a MULTI/EXEC or a pipeline is one round trip,
+# a script is one):
+#
+# - fetch: kombu's is BRPOP, then QoS.append (ZADD unacked_index + HSET
+#   unacked in one MULTI): 2. The atomic fetch is one script: 1.
+# - acknowledgement: ZREM + HDEL in one MULTI: 1, unless it rides in a store
+#   script (only when the broker is the store's Redis).
+# - Celery's result backend: GET of the stored meta, then SETEX + PUBLISH in
+#   one pipeline: 2, unless the result rides in a store script (only when the
+#   backend is the store's Redis).
+# - the store: a read's audit append 1; a write's intent and outcome 2.
+# - a deadline secures its broker lease before the body: 1 more on the broker,
+#   unless it rides in the intent (broker = store's Redis).
+#
+# Per role (three proxies, three addresses: nothing can ride anywhere):
+#   broker = fetch (2 kombu, 1 atomic) + ack 1 (+ lease 1 with a deadline)
+#   backend = 2 for every row; store = 0 plain, 1 read, 2 write.
+PER_ROLE = {
+    BASELINE: {"broker": 2 + 1, "backend": 2, "store": 0},
+    PLAIN_ATOMIC: {"broker": 1 + 1, "backend": 2, "store": 0},
+    "READ_ONLY": {"broker": 1 + 1, "backend": 2, "store": 1},
+    "IDEMPOTENT_WRITE": {"broker": 1 + 1, "backend": 2, "store": 2},
+    "NON_IDEMPOTENT_WRITE": {"broker": 1 + 1, "backend": 2, "store": 2},
+    "NON_IDEMPOTENT_WRITE + deadline": {"broker": 1 + 1 + 1, "backend": 2, "store": 2},
 }
+# One Redis for all three (one proxy): plain Celery folds nothing (kombu:
+# 2 + 2 + 1 = 5; atomic: 1 + 2 + 1 = 4). A read's audit append carries the
+# result and the ack: fetch 1 + append 1 = 2, fewer than plain Celery's. A
+# write's intent carries the lease, its outcome the result and the ack:
+# fetch 1 + intent 1 + outcome 1 = 3, no more than plain Celery's.
+ONE_REDIS = {
+    BASELINE: 2 + 2 + 1,
+    PLAIN_ATOMIC: 1 + 2 + 1,
+    "READ_ONLY": 1 + 1,
+    "IDEMPOTENT_WRITE": 1 + 1 + 1,
+    "NON_IDEMPOTENT_WRITE": 1 + 1 + 1,
+    "NON_IDEMPOTENT_WRITE + deadline": 1 + 1 + 1,
+}
+# The smoke run's batches (40 and 200 calls) leave a few round trips of the
+# atomic fetch's waits at a batch's end that do not cancel out (up to about
+# 0.15 per call seen); under half a round trip, so an extra or a missing
+# round trip still fails.
+TOLERANCE = 0.3
 
 
 @pytest.mark.timeout(400)
@@ -39,29 +80,38 @@ def test_the_benchmark_runs_every_phase_and_counts_the_round_trip_floor(tmp_path
     figures = json.loads(figures_file.read_text())
 
     variants = figures["variants"]
-    assert list(variants) == list(STORE_FLOOR)
+    assert list(variants) == list(PER_ROLE)
     for name, variant in variants.items():
         assert len(variant["rounds"]) == 2 and all(r["calls"] == 100 for r in variant["rounds"])
         assert len(variant["latencies_ms"]) == 20
-        store = variant["round_trips"]["store"]
-        assert abs(store - STORE_FLOOR[name]) < 0.15, (name, variant["round_trips"])
-    broker = {name: variant["round_trips"]["broker"] for name, variant in variants.items()}
-    baseline = broker["plain celery (acks_late)"]
-    # Securing the lease of a write with a deadline is one broker round trip.
-    assert abs(broker["NON_IDEMPOTENT_WRITE + deadline"] - baseline - 1) < 0.15, broker
-    assert abs(broker["READ_ONLY"] - baseline) < 0.15, broker
-    # One Redis for broker, result backend and store (the common deployment):
-    # a read's audit append stores Celery's result (one round trip fewer than
-    # plain Celery), a write's outcome does and its intent secures the broker
-    # lease (as many as plain Celery).
+        trips = variant["round_trips"]
+        for role, expected in PER_ROLE[name].items():
+            assert abs(trips[role] - expected) < TOLERANCE, (name, role, trips)
+        assert abs(trips["one redis"] - ONE_REDIS[name]) < TOLERANCE, (name, trips)
+
+    # The baseline fetches with kombu's BRPOP (and records with QoS.append's
+    # HSET); every other row with the atomic fetch's script, never BRPOP.
+    commands = {name: variant["commands"] for name, variant in variants.items()}
+    assert abs(commands[BASELINE].get("brpop", 0) - 1) < TOLERANCE, commands[BASELINE]
+    assert commands[BASELINE].get("evalsha", 0) < TOLERANCE, commands[BASELINE]
+    for name in list(PER_ROLE)[1:]:
+        assert commands[name].get("brpop", 0) < TOLERANCE, (name, commands[name])
+    assert abs(commands[PLAIN_ATOMIC].get("evalsha", 0) - 1) < TOLERANCE, commands[PLAIN_ATOMIC]
+
+    # The issue's round-trip targets, on one Redis: a read fewer than plain
+    # Celery's (either fetch), a write no more.
     one = {name: variant["round_trips"]["one redis"] for name, variant in variants.items()}
-    plain = one["plain celery (acks_late)"]
-    assert abs(one["READ_ONLY"] - (plain - 1)) < 0.15, one
-    for name in ("IDEMPOTENT_WRITE", "NON_IDEMPOTENT_WRITE", "NON_IDEMPOTENT_WRITE + deadline"):
-        assert abs(one[name] - plain) < 0.15, (name, one)
+    for plain in (BASELINE, PLAIN_ATOMIC):
+        assert one["READ_ONLY"] <= one[plain] - 1 + TOLERANCE, one
+        for name in WRITES:
+            assert one[name] <= one[plain] + TOLERANCE, (name, one)
+    targets = {entry["target"]: entry for entry in figures["targets"]}
+    assert targets["READ_ONLY: round trips on one Redis fewer than the baseline's"]["met"]
 
     operations = [entry["operation"] for entry in figures["operations"]]
     assert any("dlq list" in operation for operation in operations)
     assert any("dlq replay --all" in operation for operation in operations)
     assert any("audit show" in operation for operation in operations)
+    assert f"| {BASELINE} |" in done.stdout and f"| {PLAIN_ATOMIC} |" in done.stdout
     assert "| READ_ONLY |" in done.stdout and "ratio to baseline" in done.stdout
+    assert "Targets (reported, not asserted)" in done.stdout

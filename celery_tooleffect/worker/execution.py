@@ -428,9 +428,14 @@ class Execution:
     def _lease_refused(self, verdict: LeaseVerdict, deadline_end: float) -> BaseException:
         """The ending of a write whose broker lease could not be secured."""
         attempt, runtime = self.attempt, self.runtime
-        runtime.audit.record_step(
+        audited = runtime.audit.record_step(
             attempt.context.event("lease_refused", verdict.value, lease_until=f"{deadline_end:.3f}")
         )
+        # A delivery that records nothing else leaves a trace here, whatever
+        # the store says: the audit event, and a log line naming the task.
+        logger.warning("%s: broker lease %s before the write began (%s); not run by this "
+                       "delivery", self.label, verdict.value,
+                       "audited" if audited else "its audit event was not stored")
         if verdict is LeaseVerdict.LOST:
             # The message was restored: its other copy will run. Acknowledging
             # ours would delete that copy's lease (the delivery tag is shared).

@@ -21,8 +21,9 @@ OOM kill. The boundaries, in the order an attempt meets them:
 ``before_outcome``
     the body returned (its side effect made), the outcome not recorded;
 ``before_ack``
-    the outcome and Celery's result are stored, the message not acknowledged
-    (in the worker's main process).
+    the outcome and Celery's result are stored, the worker's main process has
+    not acknowledged the message yet (when the broker is the store's Redis the
+    pool process acknowledged it with the outcome, and this comes after).
 
 ``TOOLEFFECT_STORE_FAULT_AT=<boundary>[@<tool name>]`` with
 ``TOOLEFFECT_STORE_FAULT_URL`` (a Redis of the test's own, the worker's

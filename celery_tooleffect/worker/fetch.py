@@ -15,6 +15,12 @@ lists), nothing else. A transport class the app names itself
 
 The setting ``tooleffect_atomic_fetch = False`` keeps kombu's own fetch; it is
 read each time a connection picks its transport.
+
+Which fetch a worker uses shows where Celery shows its broker: the start-up
+banner's ``transport`` line and the "Connected to" log line read
+``Connection.as_uri()``, which says ``(atomic fetch)`` after the URL. A URI
+asked for with its password (to connect with: Flower's broker page) is
+kombu's own.
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ def install_atomic_fetch(app: Any) -> None:
             if atomic_fetch_enabled(app.conf):
                 return ATOMIC.get(transport, transport)
             return transport
+
+        def as_uri(self, include_password: bool = False, mask: str = "**",
+                   **kwargs: Any) -> str:
+            uri: str = super().as_uri(include_password, mask, **kwargs)
+            if include_password or not uses_atomic_fetch(self):
+                return uri
+            return f"{uri} (atomic fetch)"
 
     ToolConnection.__qualname__ = ToolConnection.__name__ = f"{base.__name__}"
     amqp.Connection = ToolConnection

@@ -193,6 +193,8 @@ class ToolRequest(Request):  # type: ignore[misc]
         if isinstance(exc, LeaseLost):
             self._tooleffect_done = True
             worker_state.task_ready(self)
+            logger.warning("%s[%s] not acknowledged: %s (another delivery holds its message)",
+                           self.name, self.id, exc)
             return self._forget_delivery()
         lost_child = isinstance(exc, WorkerLostError) or (
             isinstance(exc, (SystemExit, KeyboardInterrupt))

@@ -224,6 +224,12 @@ def refund(key: str, amount: int) -> int:
     return amount
 
 
+@app.task(name="tools.plain", acks_late=True)
+def plain(key: str, hold: float = 0.0) -> str:
+    """A plain Celery task (no ToolTask), late acknowledgement: the baseline."""
+    return hold_and_count(key, hold)
+
+
 @app.task(name="tools.errback")
 def errback(request: Any, exc: BaseException, traceback: Any) -> None:
     """A ``link_error`` callback (Celery calls it with the failed request)."""

@@ -1,0 +1,238 @@
+"""Every Redis command a worker sends for one call, from fetch to acknowledgement.
+
+A real ``celery worker`` (``tests/apps/tool_app.py``, prefork, one process)
+on a redis-server of the test's own that is broker, result backend and store
+at once. Redis ``MONITOR`` records what the worker sends while one call runs:
+the commands between the fetch that takes the message and the fetch (or
+``BRPOP``) that finds the queue empty again. What runs inside a script is not
+counted (it is one command); kombu's periodic upkeep (restore sweeps, binding
+refreshes, pidbox), connection handshakes and what the tools' bodies count
+are left out, and so is the test's own polling of the result.
+
+The folds of the atomic fetch (issue "Nothing lost on Redis"), each proven by
+the exact commands:
+
+- the fetch records the message as unacknowledged in its own script: one
+  ``EVALSHA`` where kombu sends ``BRPOP`` and then ``ZADD``/``HSET``;
+- a read's audit event stores Celery's result and acknowledges the message in
+  one script; a write's outcome does both with its journal transition; the
+  worker's main process then sends no acknowledgement (no ``ZREM``/``HDEL``);
+- with kombu's own fetch (``tooleffect_atomic_fetch=False``) the
+  acknowledgement still rides with the outcome;
+- with the store on another Redis, the main process acknowledges as kombu does.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_tooleffect.store.lua import script
+from celery_tooleffect.testing import (
+    RedisServer,
+    app_config,
+    redis_server,
+    start_celery_worker,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+HANDSHAKE = {"HELLO", "CLIENT", "PING", "AUTH", "SELECT", "MONITOR", "ECHO", "INFO"}
+#: kombu's upkeep (restore sweeps, queue bindings, pidbox) and what the test
+#: tools' bodies count (tests/apps/tool_app.py).
+UPKEEP = ("unacked_mutex", "_kombu.binding", "pidbox", "binding_deadlines", ":count:",
+          ":started:")
+SCRIPTS = ("fetch", "append_event", "begin_attempt", "transition")
+
+
+@dataclass
+class Monitor:
+    """``MONITOR`` of a server in a thread: every command but its own, in order."""
+
+    server: RedisServer
+    commands: list[dict[str, Any]] = field(default_factory=list)
+    #: Addresses (``ip:port``) of the test's own connections, left out.
+    ignored: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._client = self.server.client()
+        self._monitor = self._client.monitor()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._stop = f"monitor-stop-{uuid.uuid4().hex}"
+
+    def __enter__(self) -> Monitor:
+        # redis-py's Monitor.__enter__ sends MONITOR and reads its OK: from
+        # here on every command is seen.
+        self._monitor.__enter__()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.server.client().echo(self._stop)
+        self._thread.join(20)
+        self._monitor.__exit__(*exc_info)
+
+    def _watch(self) -> None:
+        while True:
+            command = self._monitor.next_command()
+            if self._stop in command["command"]:
+                return
+            self.commands.append(command)
+
+    def sent(self) -> list[list[str]]:
+        """The commands clients sent (not those a script ran), as words."""
+        out = []
+        for command in list(self.commands):
+            if command.get("client_type") == "lua":
+                continue
+            if f"{command['client_address']}:{command['client_port']}" in self.ignored:
+                continue
+            words = command["command"].split(" ")
+            if words[0].upper() in HANDSHAKE:
+                continue
+            if any(mark in word for word in words[1:3] for mark in UPKEEP):
+                continue
+            if words[0].upper() in ("ZRANGE", "SET", "GET", "DEL") and len(words) > 1 and (
+                    words[1].endswith(("unacked_index", "unacked_mutex"))):
+                continue
+            out.append(words)
+        return out
+
+
+def named(words: list[str]) -> str:
+    """A command as the test names it: ``EVALSHA`` by its script, else its name."""
+    name = words[0].upper()
+    if name == "EVALSHA":
+        for script_name in SCRIPTS:
+            if words[1] == script(script_name).sha:
+                return script_name
+        return f"EVALSHA {words[1][:8]}"
+    return name
+
+
+def fetches(words: list[str]) -> bool:
+    return named(words) in ("fetch", "BRPOP")
+
+
+@dataclass
+class Setup:
+    server: RedisServer
+    prefix: str
+    app: Celery
+    poller: redis.Redis
+
+
+@pytest.fixture
+def setup() -> Iterator[Setup]:
+    with redis_server() as server:
+        prefix = f"rt{uuid.uuid4().hex[:8]}:"
+        app = Celery("round-trips", set_as_current=False)
+        app.conf.update(app_config(
+            prefix, broker_url=server.url, result_backend=server.url,
+            broker_transport_options={"global_keyprefix": prefix},
+            result_backend_transport_options={"global_keyprefix": prefix}))
+        poller = redis.Redis.from_url(server.url, single_connection_client=True)
+        yield Setup(server, prefix, app, poller)
+
+
+def call_commands(setup: Setup, tmp_path: Path, name: str, *, fetch: str = "atomic",
+                  store: str | None = None) -> list[str]:
+    """The commands a worker sends for one successful call of ``name`` (after a
+    warm-up call), from its fetch to its acknowledgement."""
+    env = {"TE_PREFIX": setup.prefix, "TE_BROKER": setup.server.url,
+           "TE_COUNTERS": setup.server.url, "TOOLEFFECT_TEST_FETCH": fetch,
+           **({"TE_STORE": store} if store else {})}
+    worker = start_celery_worker("tests.apps.tool_app", tmp_path / "worker.log", env=env,
+                                 root=ROOT)
+    try:
+        call(setup, name)  # warm-up: connections, scripts loaded, queue declared
+        with Monitor(setup.server) as monitor:
+            monitor.ignored.add(setup.poller.client_info()["addr"])
+            wait_for(lambda: idle(monitor), timeout=10, what="the worker to wait for work")
+            before = len(monitor.sent())
+            call(setup, name)
+            # Until the worker fetches again after the call: its commands are complete.
+            wait_for(lambda: sum(map(fetches, monitor.sent()[before:])) >= 2, timeout=10,
+                     what=f"the worker to fetch again: {monitor.sent()[before:]}")
+        sent = monitor.sent()[before:]
+    finally:
+        worker.stop()
+    published = [i for i, words in enumerate(sent) if named(words) == "LPUSH"]
+    assert len(published) == 1, sent
+    # The test's publish, then the worker's commands, less its idle waits (the
+    # BLMOVE that woke for this call was sent before it, as kombu's BRPOP).
+    sent = [words for words in sent[published[0] + 1:] if named(words) != "BLMOVE"]
+    end = next(i for i, words in enumerate(sent) if i > 0 and fetches(words))
+    if fetch == "kombu":
+        # The BRPOP that took the message was sent before the call (it blocks).
+        return ["BRPOP", *[named(words) for words in sent[:end]]]
+    return [named(words) for words in sent[:end]]
+
+
+def idle(monitor: Monitor) -> bool:
+    """The worker has sent its blocking wait (BLMOVE, or kombu's BRPOP)."""
+    return any(words[0].upper() in ("BLMOVE", "BRPOP") for words in monitor.sent())
+
+
+def call(setup: Setup, name: str) -> None:
+    result = setup.app.send_task(name, args=[uuid.uuid4().hex[:8], 0.0], queue="tools")
+    key = f"{setup.prefix}celery-task-meta-{result.id}"
+    wait_for(lambda: b'"SUCCESS"' in (setup.poller.get(key) or b""), timeout=20,
+             what=f"{name} to succeed")
+
+
+ACK = ["MULTI", "ZREM", "HDEL", "EXEC"]
+KOMBU_APPEND = ["MULTI", "ZADD", "HSET", "EXEC"]
+#: Celery's Redis backend: the GET of the current state, then SETEX (the
+#: result expires) and PUBLISH in a transaction.
+CELERY_RESULT = ["GET", "MULTI", "SETEX", "PUBLISH", "EXEC"]
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    # A read: the fetch; its audit event with Celery's result and the
+    # acknowledgement, and the event's copy to the global stream (pipelined).
+    ("tools.read", ["fetch", "append_event", "XADD"]),
+    # A write: the fetch; the intent; the outcome with the result and the
+    # acknowledgement, and both events' global copies (pipelined).
+    ("tools.idempotent", ["fetch", "begin_attempt", "transition", "XADD", "XADD"]),
+    ("tools.write", ["fetch", "begin_attempt", "transition", "XADD", "XADD"]),
+    # A deadline's broker lease rides in the intent's script.
+    ("tools.write_deadline", ["fetch", "begin_attempt", "transition", "XADD", "XADD"]),
+    # Plain Celery on the atomic fetch: Celery's result store and kombu's ack.
+    ("tools.plain", ["fetch", *CELERY_RESULT, *ACK]),
+])
+def test_one_call_sends_exactly_these_commands_with_the_atomic_fetch(
+    setup: Setup, tmp_path: Path, name: str, expected: list[str],
+) -> None:
+    assert call_commands(setup, tmp_path, name) == expected
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    # kombu's fetch: BRPOP, then QoS.append; the ack still rides with the outcome.
+    ("tools.read", ["BRPOP", *KOMBU_APPEND, "append_event", "XADD"]),
+    ("tools.write", ["BRPOP", *KOMBU_APPEND, "begin_attempt", "transition", "XADD", "XADD"]),
+    # What plain Celery sends today: five round trips.
+    ("tools.plain", ["BRPOP", *KOMBU_APPEND, *CELERY_RESULT, *ACK]),
+])
+def test_kombus_own_fetch_sends_brpop_then_records_the_message(
+    setup: Setup, tmp_path: Path, name: str, expected: list[str],
+) -> None:
+    assert call_commands(setup, tmp_path, name, fetch="kombu") == expected
+
+
+def test_with_the_store_on_another_redis_the_main_process_acknowledges(
+    setup: Setup, tmp_path: Path,
+) -> None:
+    with redis_server() as store:
+        # On the broker: the fetch, Celery's own result store (the backend is
+        # the broker's Redis, not the store's) and kombu's acknowledgement.
+        assert call_commands(setup, tmp_path, "tools.write", store=store.url) == [
+            "fetch", *CELERY_RESULT, *ACK]
