@@ -63,21 +63,17 @@ any step starts, so the wrappers are in place both for ``create_task_handler``
 ``on_invalid_task`` when the consume loop starts) and for the ``Tasks`` step,
 which hands ``on_decode_error`` to kombu's ``Consumer`` when it starts.
 
-What it cannot reach: an envelope kombu cannot turn into a ``Message``. On the
-Redis transport (checked in kombu 5.7 with Celery 5.7) the worker pops the
-envelope off the queue list with ``BRPOP`` and parses it with ``json.loads`` in
-``Channel._brpop_read``; the channel then builds the ``Message`` (it needs
-``properties`` with a ``delivery_tag`` and base64-decodes the body). Only after
-that is the envelope copied to kombu's ``unacked`` hash and handed to Celery.
-So an envelope that is not JSON (or not UTF-8), whose body is not valid
-base64, or that lacks ``properties`` is already off the queue and in no
-``unacked`` hash when the error is raised, and no Celery handler ever sees it:
-it is lost. Worse, the error leaves the event loop: a ``ValueError`` (not JSON,
-bad base64) is reported by Celery as "Unrecoverable error" and the worker
-process stops (exit status 1); a ``KeyError`` (no ``properties``) is one of the
-transport's connection errors, so the consumer reconnects and carries on. Only
-a producer that bypasses kombu can write such an envelope; nothing in a
-consumer step can catch it.
+What reaches it only with the package's atomic fetch: an item in a queue that
+is no kombu envelope (not JSON, not UTF-8, no ``properties`` or delivery tag,
+a body that is not valid base64). kombu's own fetch pops it with ``BRPOP`` and
+fails while it builds the ``Message``, before the item is in ``unacked``: the
+item is lost, and the error leaves the event loop (a ``ValueError`` stops the
+worker, "Unrecoverable error"; a ``KeyError`` makes the consumer reconnect).
+The atomic fetch (:mod:`celery_tooleffect.store.transport`) records such an
+item unacknowledged as a kombu envelope of content type ``UNREADABLE`` whose
+body is the item's bytes, and delivers it: Celery's consumer cannot decode
+it and calls ``on_decode_error``, where it becomes a dead letter
+``undecodable_message`` whose body is exactly what the queue held.
 """
 
 from __future__ import annotations
@@ -98,6 +94,7 @@ from ..store.audit import StepContext
 from ..store.dead_letters import DeadLetter, DeadLetterReason
 from ..store.envelope import MessageEnvelope
 from ..store.runtime import runtime_for
+from ..store.transport import UNREADABLE
 from .attempt import Attempt
 from .letters import build_letter
 
@@ -165,6 +162,14 @@ class RefusedMessages:
                 _drop(invalid_task, message, body, message, exc)
 
         def on_decode_error(message: Any, exc: BaseException) -> None:
+            if getattr(message, "content_type", None) == UNREADABLE:
+                # Wrapped by the atomic fetch: say what it was, not that its
+                # content type is refused.
+                exc = DecodeError(
+                    f"the queue {(message.delivery_info or {}).get('routing_key')!r} held an item "
+                    "that is no kombu envelope (not JSON, or no properties or delivery tag, "
+                    "or a body kombu cannot decode); the letter's body is that item, "
+                    "byte for byte")
             if self.dead_letter(message, None, DeadLetterReason.UNDECODABLE_MESSAGE, exc):
                 _drop(decode_error, message, message, exc)
 
