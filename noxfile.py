@@ -8,7 +8,10 @@ Each session installs the package with its test dependencies into its own venv,
 pins the versions, removes hiredis for the ``pure`` sessions, prints what it
 runs against, and runs the core scenarios on the Redis the tests use
 (``TOOLEFFECT_TEST_REDIS_URL``, default 127.0.0.1:6379). ``.ci/run`` runs
-``compat(lowest-pure)``; all four are run by hand before a release.
+``compat(lowest-pure)`` with kombu's own fetch (``TOOLEFFECT_TEST_FETCH=kombu``,
+which the test apps turn into ``tooleffect_atomic_fetch=False``) while its main
+run uses the atomic fetch, so the core scenarios run on both; all four are run
+by hand before a release.
 """
 
 from __future__ import annotations
