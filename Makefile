@@ -16,9 +16,10 @@ install:
 $(INSTALLED): pyproject.toml
 	$(MAKE) install
 
-# Run the end-to-end demo (starts its own Redis when none answers).
+# Run the end-to-end demo on Redis servers of its own (`make demo ARGS=--keep`
+# leaves its data and prints the CLI and Flower commands to explore it).
 demo: $(INSTALLED)
-	$(BIN)/python -m celery_tooleffect.demo
+	$(BIN)/python -m celery_tooleffect.demo $(ARGS)
 
 # pytest-xdist: the independent tests side by side. The one place these options
 # live (.ci/run reads this line). The tests mostly wait on real processes, so

@@ -10,7 +10,7 @@ from celery import Celery
 
 from celery_tooleffect import AuditLog, ConfigurationError, ToolEffect, ToolTask
 from celery_tooleffect.events import EVENT_FIELDS
-from tests.conftest import RedisServer, running_worker
+from tests.conftest import RedisServer, redis_server, running_worker
 
 SECRET = "card-4111-1111-1111-1111"
 
@@ -154,3 +154,22 @@ def test_events_are_copied_to_the_global_stream_for_tailing(
     result = charge.apply(("c", 1))
     tail = [e for e in AuditLog(app).tail(50) if e.get("task_id") == result.id]
     assert [e["phase"] for e in tail] == ["intent", "outcome"]
+
+
+def test_a_store_that_must_load_its_scripts_first_copies_each_event_once(
+    make_app: Callable[..., Celery],
+) -> None:
+    """The global copy rides with the script in one round trip; when the script
+    must be loaded first (a new or restarted Redis answers NOSCRIPT), the copy
+    already went with the first try and is not sent again with the second."""
+    with redis_server() as store:
+        app = make_app(broker_url="memory://", result_backend="cache+memory://",
+                       tooleffect_redis_url=store.url)
+        charge = define_charge(app)
+        audit = AuditLog(app)
+        assert audit.record_step({"run_id": "r1", "task_id": "t1", "phase": "note",
+                                  "status": "ok"})
+        result = charge.apply(("c", 1))  # intent (begin_attempt), outcome (transition)
+        tail = audit.tail(50)
+    assert [e["phase"] for e in tail if e.get("task_id") == "t1"] == ["note"]
+    assert [e["phase"] for e in tail if e.get("task_id") == result.id] == ["intent", "outcome"]

@@ -267,7 +267,7 @@ class Journal:
                     *journal_fields,
                     *event_fields,
                 ],
-                [*waits, *copies],
+                waits, copies,
             )
             answer = replies[0]
         except AMBIGUOUS as exc:

@@ -50,10 +50,11 @@ class LuaScript:
         """Run the script, and in the same round trip the commands ``also``.
 
         Those commands are best effort: their errors are ignored, and they run
-        even when the script fails (a second time when the script had to be
-        loaded first). Connection errors raise as usual.
+        even when the script fails. They are sent once: when the script had to
+        be loaded first, they are not sent again with it. Connection errors
+        raise as usual.
         """
-        return self.call_then(client, keys, args, also)[0]
+        return self.call_then(client, keys, args, (), also)[0]
 
     def call_then(
         self,
@@ -61,15 +62,21 @@ class LuaScript:
         keys: Sequence[KeyOrArg],
         args: Sequence[KeyOrArg],
         then: Sequence[Command],
+        also: Sequence[Command] = (),
     ) -> list[Any]:
-        """Run the script, then the commands ``then`` on the same connection, in
-        one round trip: the script's answer and their replies (an error reply
-        of theirs returned, not raised), from the run in which the script ran.
+        """Run the script, then the commands ``then`` and ``also`` on the same
+        connection, in one round trip: the script's answer, then their replies
+        (an error reply of theirs returned, not raised).
 
-        For a command that must follow the script's write on its connection:
-        ``WAIT`` counts the replicas that hold this connection's writes. On a
-        cluster, two round trips: a cluster pipeline refuses scripts (and the
-        other commands may be on another node anyway); the settings refuse
+        ``then``: commands that must follow the script's write on its
+        connection (``WAIT`` counts the replicas that hold this connection's
+        writes): sent again with the script when it had to be loaded first,
+        and their replies are from the run in which the script ran. ``also``:
+        best-effort commands (an event's copy to the global stream) sent once,
+        with the first try (an ``XADD`` sent again would add a second copy).
+
+        On a cluster, two round trips: a cluster pipeline refuses scripts (and
+        the other commands may be on another node anyway); the settings refuse
         WAIT there.
         """
         if isinstance(client, RedisCluster):
@@ -78,19 +85,20 @@ class LuaScript:
                 answer = self(client, keys, args)
             finally:
                 with contextlib.suppress(Exception):
-                    replies = one_round_trip(client, then)
+                    replies = one_round_trip(client, [*then, *also])
             return [answer, *replies]
-        commands: list[Command] = [("EVALSHA", self.sha, len(keys), *keys, *args), *then]
-        for _ in range(2):
-            replies = one_round_trip(client, commands)
-            answer = replies[0]
-            if isinstance(answer, NoScriptError):
-                client.script_load(self.text)
-                continue
-            if isinstance(answer, Exception):
-                raise answer
-            return replies
-        raise NoScriptError(f"script {self.name} could not be loaded")
+        evalsha: Command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        replies = one_round_trip(client, [evalsha, *then, *also])
+        extra = replies[len(then) + 1:]
+        if isinstance(replies[0], NoScriptError):
+            client.script_load(self.text)
+            replies = one_round_trip(client, [evalsha, *then])
+        answer = replies[0]
+        if isinstance(answer, NoScriptError):
+            raise NoScriptError(f"script {self.name} could not be loaded")
+        if isinstance(answer, Exception):
+            raise answer
+        return [answer, *replies[1:len(then) + 1], *extra]
 
     def call_many(
         self,
