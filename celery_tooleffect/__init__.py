@@ -88,4 +88,6 @@ __all__ = [
     "call_task_id",
 ]
 
+# The version's one place: the distribution's version is read from this line
+# (pyproject.toml, [tool.setuptools.dynamic]), so keep it a plain string.
 __version__ = "0.1.0"
