@@ -89,9 +89,13 @@ class Heartbeat:
     write without a deadline on a broker without leases, which beats until
     its body returns). When a renewal succeeds it calls ``on_renewed()``
     (when given: the tool span's event and metric); when one fails it calls
-    ``on_failure(reason)`` once and stops: ``journal_lost`` (another attempt
-    owns the entry), ``broker_lost`` (the message was restored), or
-    ``store_unavailable``.
+    ``on_failure(reason)`` once: ``journal_lost`` (another attempt owns the
+    entry) or ``store_unavailable``, and it stops; ``broker_lost`` (the
+    message was restored: kombu's sweep read its score before a raise), and
+    only the broker lease stops: the journal lease is renewed on, so the
+    restored copy finds this attempt alive and waits for it (it is deferred,
+    then acknowledged without running once the outcome is recorded), rather
+    than finding the lease lapsed and dead-lettering a write that succeeds.
 
     The renewals are made by one thread per process (:class:`_Beats`) that
     serves every running heartbeat of that process: starting a thread for
@@ -141,7 +145,11 @@ class Heartbeat:
         if self.deadline_end is not None:
             lease_end = min(lease_end, self.deadline_end)
         failure = self._renew(lease_end)
-        if failure is not None:
+        if failure == "broker_lost":
+            self.broker_lease = None  # nothing left to extend; the journal beats on
+            if not self.stopped:
+                self.on_failure(failure)
+        elif failure is not None:
             if not self.stopped:
                 self.on_failure(failure)
             return False
