@@ -27,5 +27,10 @@ class Choice(str, enum.Enum):
         choices = ", ".join(member.value for member in cls)
         raise ValueError(f"not {cls.__choice_name__}: {value!r} (choose one of {choices})")
 
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """Every member's value, in the order defined: what a command line or a form offers."""
+        return tuple(member.value for member in cls)
+
     def __str__(self) -> str:
         return str(self.value)

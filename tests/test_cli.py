@@ -30,7 +30,8 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
 from celery_tooleffect import AuditEvent, AuditLog, DeadLetter, DeadLetters, ToolEffect, ToolTask
-from celery_tooleffect.admin.cli import parse_duration, tooleffect
+from celery_tooleffect.admin.cli import tooleffect
+from celery_tooleffect.admin.cli.base import parse_duration
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
@@ -543,15 +544,17 @@ def test_usage_errors_exit_2(tools: Tools) -> None:
 
 
 def test_the_cli_filter_choices_are_the_enums() -> None:
-    # The CLI spells its choices out (it imports the package only when a command
-    # runs): they must stay the values of the enums.
-    from celery_tooleffect.admin import cli
+    # The choices come from the enums (celery_tooleffect.admin.filters, shared with
+    # Flower's filters): every command's filter offers every value, in the enum's order.
     from celery_tooleffect.failures import FailureClass
     from celery_tooleffect.store.dead_letters import DeadLetterReason
 
-    assert sorted(cli._REASONS) == sorted(reason.value for reason in DeadLetterReason)
-    assert sorted(cli._CLASSES) == sorted(value.value for value in FailureClass)
-    assert sorted(cli._EFFECTS) == sorted(effect.value for effect in ToolEffect)
+    for name in ("list", "replay", "purge", "reconcile"):
+        params = {param.name: param.type for param in
+                  tooleffect.commands["dlq"].commands[name].params}  # type: ignore[attr-defined]
+        assert list(params["dead_letter_reason"].choices) == [r.value for r in DeadLetterReason]
+        assert list(params["failure_class"].choices) == [c.value for c in FailureClass]
+        assert list(params["effect"].choices) == [e.value for e in ToolEffect]
 
 
 # -- audit -------------------------------------------------------------------------------

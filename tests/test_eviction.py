@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from celery_tooleffect.admin.approvals import Approvals
-from celery_tooleffect.admin.flower import (
+from celery_tooleffect.admin.flower.metrics import (
     EVICTED_KEYS_GAUGE,
     EVICTING_POLICY_GAUGE,
     export_store_gauges,

@@ -37,7 +37,7 @@ from prometheus_client.registry import CollectorRegistry
 from celery_tooleffect import DeadLetter, DeadLetters, ToolEffect, ToolTask
 from celery_tooleffect.admin.approvals import Approvals
 from celery_tooleffect.admin.cli import tooleffect
-from celery_tooleffect.admin.flower import (
+from celery_tooleffect.admin.flower.metrics import (
     APPROVALS_GAUGE,
     DEAD_LETTERS_GAUGE,
     OLDEST_DEAD_LETTER_GAUGE,
@@ -302,7 +302,7 @@ def test_gauges_of_a_store_that_does_not_answer_are_absent_and_the_rest_is_serve
     letters_down = make_app(broker_url=nowhere, tooleffect_redis_url=REDIS_URL,
                             tooleffect_socket_timeout=0.5)
     export_store_gauges(Approvals(letters_down), DeadLetters(letters_down), registry=registry)
-    with caplog.at_level(logging.WARNING, logger="celery_tooleffect.admin.flower"):
+    with caplog.at_level(logging.WARNING, logger="celery_tooleffect.admin.flower.metrics"):
         families = served()
     assert [sample.value for sample in families["other_metric"]] == [7.0]
     assert families[APPROVALS_GAUGE] == []  # served: nothing pending
@@ -318,7 +318,7 @@ def test_gauges_of_a_store_that_does_not_answer_are_absent_and_the_rest_is_serve
     all_down = make_app(broker_url=nowhere, tooleffect_redis_url=nowhere,
                         tooleffect_socket_timeout=0.5)
     export_store_gauges(Approvals(all_down), DeadLetters(all_down), registry=registry)
-    with caplog.at_level(logging.WARNING, logger="celery_tooleffect.admin.flower"):
+    with caplog.at_level(logging.WARNING, logger="celery_tooleffect.admin.flower.metrics"):
         families = served()
     assert [sample.value for sample in families["other_metric"]] == [7.0]
     assert not {APPROVALS_GAUGE, DEAD_LETTERS_GAUGE, OLDEST_DEAD_LETTER_GAUGE} & set(families)

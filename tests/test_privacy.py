@@ -144,17 +144,17 @@ def test_metadata_keeps_every_secret_out_of_the_audit_log_and_the_listing(
 
 def test_the_cli_listing_keeps_the_secret_out(
     make_app: Callable[..., Celery], main_redis: redis.Redis, prefix: str,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from celery.bin.base import CLIContext
     from click.testing import CliRunner
 
-    from celery_tooleffect.admin import cli
+    from celery_tooleffect.admin.cli import tooleffect
 
     app = make_app()
     run_every_ending(app, main_redis)
-    monkeypatch.setattr(cli, "_app", lambda ctx: app)
     for args in (["dlq", "list", "--json"], ["dlq", "list"]):
-        result = CliRunner().invoke(cli.tooleffect, args, catch_exceptions=False)
+        result = CliRunner().invoke(tooleffect, args, catch_exceptions=False,
+                                    obj=CLIContext(app=app, no_color=True, workdir=None))
         assert result.exit_code == 0, result.output
         assert SECRET not in result.output
         assert "privacy." in result.output

@@ -13,18 +13,52 @@ the workers' sweep does, so an operator never sees an overdue call as pending.
 from __future__ import annotations
 
 import builtins
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..store.approvals import Approval
 from ..store.runtime import runtime_for
 from ..store.states import ApprovalState
 from ..worker.approvals import decide, expire_overdue
-from .operations import STORE_ERRORS, ActionResult, Outcome, default_actor
+from .operations.results import ActionResult, Outcome, default_actor
+from .operations.stores import STORE_ERRORS
 
 if TYPE_CHECKING:
     from celery import Celery
 
 _VERBS = {ApprovalState.APPROVED: "approve", ApprovalState.REJECTED: "reject"}
+
+
+@dataclass(frozen=True)
+class ApprovalListing:
+    """One page of listed calls, oldest first: what ``approvals list`` and the
+    Approvals page show, and (:meth:`to_dict`) the one listing view, the JSON
+    of ``approvals list --json`` and of ``GET /api/approvals``."""
+
+    approvals: list[Approval]
+    offset: int
+    limit: int
+    #: Every listed call the filters match, on any page.
+    total: int
+
+    @property
+    def next_offset(self) -> int | None:
+        """The ``offset`` of the next page; None on the last one."""
+        end = self.offset + self.limit
+        return end if end < self.total else None
+
+    def to_dict(self, *, paging: bool = False) -> dict[str, Any]:
+        """The JSON of ``approvals list --json``: ``{"approvals": [Approval.to_dict()...],
+        "count": N}`` (``count``: on this page). With ``paging``, that of ``GET
+        /api/approvals``, which adds ``next_offset`` (null on the last page) and
+        ``total`` (every call the filters match)."""
+        listed: dict[str, Any] = {
+            "approvals": [approval.to_dict() for approval in self.approvals],
+            "count": len(self.approvals),
+        }
+        if paging:
+            listed.update(next_offset=self.next_offset, total=self.total)
+        return listed
 
 
 class Approvals:
@@ -51,6 +85,14 @@ class Approvals:
         ]
         end = None if limit is None else offset + limit
         return found[offset:end]
+
+    def listing(self, *, queue: str | None = None, tool: str | None = None,
+                state: ApprovalState | str | None = None, limit: int = 50,
+                offset: int = 0) -> ApprovalListing:
+        """:meth:`list`'s calls from ``offset`` on, at most ``limit``, with how many
+        match in all."""
+        found = self.list(queue=queue, tool=tool, state=state)
+        return ApprovalListing(found[offset:offset + limit], offset, limit, len(found))
 
     def get(self, task_id: str) -> Approval | None:
         """The call's record, pending or decided; None when it never waited."""

@@ -57,6 +57,7 @@ from ..store.runtime import ToolRuntime, runtime_for
 from ..store.states import ApprovalState
 from . import telemetry
 from .attempt import APPROVED_FIELD, FORGED_FIELD, Attempt
+from .republish import republish
 from .request import exception_info
 from .signals import AUDITED_MARK
 
@@ -217,9 +218,7 @@ def publish_decided(app: Any, approval: Approval) -> None:
     """Publish the call's kept message again, exactly as it was delivered."""
     if approval.message is None:
         raise ValueError(f"{approval.name}[{approval.task_id}]: no message kept")
-    queue = app.amqp.queues.get(approval.queue)
-    with app.producer_or_acquire() as producer:
-        approval.message.publish(producer, declare=[queue] if queue is not None else [])
+    republish(app, approval.message, approval.queue)
 
 
 def expire_overdue(app: Any, now: float | None = None) -> list[Approval]:

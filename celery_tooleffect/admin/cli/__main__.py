@@ -1,0 +1,5 @@
+"""``python -m celery_tooleffect.admin.cli -A app ...``: the console script."""
+
+from . import main
+
+main()

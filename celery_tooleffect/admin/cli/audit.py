@@ -1,0 +1,149 @@
+"""``audit``: the audit trails: one run's events (``show``), their hash chain
+(``verify``), the newest events of all runs (``tail``, ``--follow``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import click
+
+from ...store.audit import text
+from ..table import clip, cut, render, terminal_width
+from .base import EXIT_REFUSED, NEEDS_STORE, ToolEffectGroup, echo_json, fail, runtime_of, when
+
+
+@click.group(cls=ToolEffectGroup)
+def audit() -> None:
+    """Audit trails: one run's events, or the newest events of all runs."""
+
+
+_EVENT_HEADERS = ["SEQ", "TIME (UTC)", "TASK ID", "TOOL", "PHASE", "STATUS", "TRY", "CLASS",
+                  "EXCEPTION", "BY"]
+
+
+def _event_row(event: Mapping[str, str]) -> list[str]:
+    return [
+        event.get("seq", ""), when(event.get("ts")), event.get("task_id", ""),
+        event.get("tool", ""), event.get("phase", ""), event.get("status", ""),
+        event.get("attempt", ""), event.get("failure_class", ""),
+        event.get("exception_type", ""), event.get("actor") or event.get("worker", ""),
+    ]
+
+
+@audit.command("show", needs=NEEDS_STORE)
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.pass_context
+def audit_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
+    """Show the audit events of one run, oldest first."""
+    events = runtime_of(ctx).audit.events(run_id)
+    if as_json:
+        echo_json({"run_id": run_id, "events": events})
+        if not events:
+            sys.exit(EXIT_REFUSED)
+        return
+    if not events:
+        fail(f"{run_id}: no audit events for this run")
+    click.echo(render(_EVENT_HEADERS, [_event_row(event) for event in events],
+                      shrink=["TOOL", "BY", "EXCEPTION"],
+                      optional=["BY", "EXCEPTION", "TIME (UTC)", "CLASS", "TRY", "TOOL"]))
+
+
+@audit.command("verify", needs=NEEDS_STORE)
+@click.argument("run_ids", nargs=-1)
+@click.option("--all", "every", is_flag=True, help="Verify every run in the store.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.pass_context
+def audit_verify(ctx: click.Context, run_ids: tuple[str, ...], every: bool,
+                 as_json: bool) -> None:
+    """Check the hash chain of runs' audit events; report the first broken link.
+
+    Exit code 0 when every chain is intact, 1 when one is broken or a run has
+    no events.
+    """
+    if bool(run_ids) == every:
+        raise click.UsageError("give RUN_ID... or --all (not both)")
+    log = runtime_of(ctx).audit
+    checks = [log.verify(run_id) for run_id in (log.runs() if every else run_ids)]
+    bad = [check for check in checks if not check.intact or check.events == 0]
+    if as_json:
+        echo_json({"runs": [
+            {"run_id": c.run_id, "events": c.events, "intact": c.intact and c.events > 0,
+             "broken_at": c.broken_at, "problem": c.problem or (None if c.events else
+                                                                "no events")}
+            for c in checks
+        ]})
+    else:
+        for check in checks:
+            if check.events == 0:
+                click.echo(f"{check.run_id}: no events")
+            elif check.intact:
+                click.echo(f"{check.run_id}: intact ({check.events} events)")
+            else:
+                click.echo(f"{check.run_id}: BROKEN at {check.broken_at}: {check.problem}")
+        click.echo(f"{len(checks) - len(bad)} of {len(checks)} run(s) intact")
+    if bad:
+        sys.exit(EXIT_REFUSED)
+
+
+#: Widths of the tail's padded fields: time, phase, status. The ids follow in full
+#: (an operator copies them), then the tool, class and who; lines are clipped
+#: at the terminal's width.
+_TAIL_WIDTHS = (8, 14, 13)
+
+
+def _tail_line(event: Mapping[str, str], width: int) -> str:
+    ts = event.get("ts", "")
+    moment = when(ts)[11:19] if ts and ts[0].isdigit() else ts
+    padded = (moment, event.get("phase", ""), event.get("status", ""))
+    text = " ".join(cut(value, w).ljust(w) for value, w in zip(padded, _TAIL_WIDTHS,
+                                                              strict=True))
+    rest = [event.get("run_id", ""), event.get("task_id", ""), event.get("tool", ""),
+            event.get("failure_class", ""), event.get("actor") or event.get("worker", "")]
+    return clip(" ".join([text, *(value for value in rest if value)]).rstrip(), width)
+
+
+@audit.command("tail", needs=NEEDS_STORE)
+@click.option("--count", "-n", type=click.IntRange(1, 10_000), default=20, show_default=True,
+              help="How many of the newest events to show first.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events (Ctrl-C stops).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_context
+def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool) -> None:
+    """Show the newest events of all runs (the global stream); --follow keeps going."""
+    log = runtime_of(ctx).audit
+    width = terminal_width()
+
+    def emit(event: Mapping[str, str]) -> None:
+        if as_json:
+            click.echo(json.dumps(dict(event), sort_keys=True, ensure_ascii=False))
+        else:
+            click.echo(_tail_line(event, width))
+
+    try:
+        events = log.tail(count)
+        if not as_json:
+            click.echo(_tail_line({"ts": "UTC", "run_id": "RUN ID", "task_id": "TASK ID",
+                                   "tool": "TOOL", "phase": "PHASE", "status": "STATUS",
+                                   "failure_class": "CLASS", "actor": "BY"}, width))
+        for event in events:
+            emit(event)
+        if not follow:
+            return
+        last = events[-1]["id"] if events else "$"
+        client = log.client
+        key = log.keys.global_events
+        while True:
+            block = max(int(min(log.settings.socket_timeout * 500, 1000)), 100)
+            replies: Any = client.xread({key: last}, block=block, count=100) or []
+            for _stream, entries in replies:
+                for entry_id, fields in entries:
+                    last = text(entry_id)
+                    emit({"id": last, **{text(k): text(v) for k, v in fields.items()}})
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        return
+

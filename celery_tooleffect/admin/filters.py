@@ -1,0 +1,46 @@
+"""What operators filter listings by, taken from the enums: one place for the
+CLI's ``click.Choice`` options and Flower's filter forms and query parameters.
+
+A value outside these is refused where it comes in: by click (usage error,
+exit code 2) on the command line, with 400 by Flower (:func:`dead_letter_query`
+and :func:`approval_state` raise ``ValueError``, naming the choices).
+"""
+
+from __future__ import annotations
+
+from ..effect import ToolEffect
+from ..failures import FailureClass
+from ..store.dead_letters import DeadLetterQuery, DeadLetterReason
+from ..store.states import ApprovalState
+
+#: ``--dead-letter-reason`` / ``dead_letter_reason``: why a message became a dead letter.
+DEAD_LETTER_REASONS = DeadLetterReason.values()
+#: ``--failure-class`` / ``failure_class``.
+FAILURE_CLASSES = FailureClass.values()
+#: ``--effect`` / ``effect``.
+EFFECTS = ToolEffect.values()
+#: ``approvals list --state``: the states a listed call has (never ``absent``, no
+#: record, nor ``ended``, off the list).
+LISTED_APPROVAL_STATES = tuple(
+    state.value for state in ApprovalState
+    if state not in (ApprovalState.ABSENT, ApprovalState.ENDED)
+)
+
+
+def dead_letter_query(queue: str | None = None, dead_letter_reason: str | None = None,
+                      failure_class: str | None = None,
+                      effect: str | None = None) -> DeadLetterQuery:
+    """The dead letters matching every filter given (empty or None: any); a value
+    that is not one of the enum's is a ``ValueError``."""
+    return DeadLetterQuery(
+        queue=queue or None,
+        reason=DeadLetterReason.coerce(dead_letter_reason).value if dead_letter_reason else None,
+        failure_class=FailureClass.coerce(failure_class).value if failure_class else None,
+        effect=ToolEffect.coerce(effect).value if effect else None,
+    )
+
+
+def approval_state(value: str | None) -> ApprovalState | None:
+    """The approval state a listing is filtered by (empty or None: any); a value that
+    is not an approval state is a ``ValueError``."""
+    return ApprovalState.coerce(value) if value else None

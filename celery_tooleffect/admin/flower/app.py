@@ -1,0 +1,159 @@
+"""Starting Flower with this package's pages: ``celery -A app tooleffect flower``.
+
+:func:`run_flower` does what ``celery flower`` does, with the Flower
+application of :func:`make_flower`: Flower's own, plus the Dead letters and
+Approvals pages and APIs (:mod:`.dead_letters`, :mod:`.approvals`), their
+items in Flower's navbar (:class:`TemplateLoader`), the store's gauges on
+``/metrics`` (:mod:`.metrics`), and the failure class on the task page.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+import tornado.template
+from flower import command as flower_command
+from flower.app import Flower, rewrite_handler
+from flower.options import options as flower_options
+from flower.urls import settings as flower_settings
+
+from ..approvals import Approvals
+from ..operations import DeadLetterOperations
+from . import approvals, dead_letters
+from .metrics import export_store_gauges
+
+logger = logging.getLogger(__name__)
+
+#: The Dead letters and Approvals items of Flower's navbar (:func:`with_nav_item`).
+NAV_ITEM = """
+        <li class="nav-item">
+          <a class="nav-link{% if active_tab == 'dead_letters' %} active{% end %}"
+            href="{{ reverse_url('dead_letters') }}" id="nav-dead-letters"
+            {% if active_tab == 'dead_letters' %}aria-current="page"{% end %}>Dead letters</a>
+        </li>
+        <li class="nav-item">
+          <a class="nav-link{% if active_tab == 'approvals' %} active{% end %}"
+            href="{{ reverse_url('approvals') }}" id="nav-approvals"
+            {% if active_tab == 'approvals' %}aria-current="page"{% end %}>Approvals</a>
+        </li>
+"""
+
+
+def run_flower(capp: Any, argv: list[str], *, quiet: bool = False) -> None:
+    """Start Flower for ``capp`` with ``argv`` (Flower's options), as ``celery flower`` does."""
+    flower_command.apply_env_options()
+    flower_command.apply_options(sys.argv[0], argv)
+    flower_command.extract_settings()
+    flower_command.setup_logging()
+    flower_app = make_flower(capp, flower_options, flower_settings)
+    atexit.register(flower_app.stop)
+    signal.signal(signal.SIGTERM, flower_command.sigterm_handler)
+    port = flower_app.start_http_server()
+    if not quiet:
+        flower_command.print_banner(capp, "ssl_options" in flower_settings, port)
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):
+        flower_app.start()
+
+
+def make_flower(capp: Any, options: Any, settings: dict[str, Any]) -> Any:
+    """A Flower application with the Dead letters and Approvals pages, their APIs, the
+    store's gauges on ``/metrics`` and the failure class row."""
+    settings = dict(settings)
+    settings["template_loader"] = TemplateLoader(
+        str(settings["template_path"]), autoescape="xhtml_escape"
+    )
+    flower_app = Flower(capp=capp, options=options, **settings)
+    flower_app.tooleffect_operations = DeadLetterOperations(capp)
+    flower_app.tooleffect_approvals = Approvals(capp)
+    handlers: list[Any] = dead_letters.handlers() + approvals.handlers()
+    if options.url_prefix:
+        handlers = [rewrite_handler(handler, options.url_prefix) for handler in handlers]
+    # Before Flower's catch-all 404 handler (tornado inserts new hosts' rules first).
+    flower_app.add_handlers(r".*", handlers)
+    show_failure_class(flower_app)
+    export_store_gauges(flower_app.tooleffect_approvals,
+                        flower_app.tooleffect_operations.runtime.dead_letters)
+    return flower_app
+
+
+class TemplateLoader(tornado.template.Loader):
+    """Flower's templates, plus this package's, with Dead letters and Approvals
+    items in the navbar.
+
+    The navigation items are inserted into Flower's own ``navbar.html`` when it
+    is loaded (before the end of its first list), so every Flower page shows
+    it without copying Flower's template.
+    """
+
+    def __init__(self, root_directory: str, **kwargs: Any) -> None:
+        super().__init__(root_directory, **kwargs)
+        self.own = resources.files("celery_tooleffect.admin.flower") / "templates"
+
+    def _create_template(self, name: str) -> tornado.template.Template:
+        own = self.own / name
+        if own.is_file():
+            source = own.read_text(encoding="utf-8")
+        elif name == "navbar.html":
+            with open(os.path.join(self.root, name), encoding="utf-8") as handle:
+                source = with_nav_item(handle.read())
+        else:
+            return super()._create_template(name)
+        return tornado.template.Template(source, name=name, loader=self)
+
+
+def with_nav_item(navbar: str) -> str:
+    """Flower's navbar template with the Dead letters and Approvals items at the end
+    of its first list."""
+    end = navbar.find("</ul>")
+    if end < 0:
+        logger.warning("Flower's navbar has no list: the Dead letters and Approvals tabs "
+                       "are not shown")
+        return navbar
+    return navbar[:end] + NAV_ITEM + navbar[end:]
+
+
+#: The fields the worker adds to a tool's ``task-failed`` event, shown on
+#: Flower's task page: the failure class, and the dead-letter reason when the
+#: call became a dead letter (its exception is then the tool's own error).
+FAILED_EVENT_FIELDS = ("failure_class", "dead_letter_reason")
+
+
+def show_failure_class(flower_app: Any) -> None:
+    """Show a failed tool task's ``failure_class`` (and ``dead_letter_reason``)
+    on Flower's task page.
+
+    Flower's task page lists the fields in ``Task._fields`` only, and it
+    formats a copy of the task made from those fields (``copy.copy`` goes
+    through ``Task.__reduce__``), so the extra fields the worker sends with
+    ``task-failed`` are kept in Flower's state but never shown. This wraps
+    Flower's ``format_task`` option (keeping a user's own) so that the copy
+    gets them back from the state and lists them.
+    """
+    options = flower_app.options
+    user_format: Callable[[Any], Any] | None = options.format_task
+
+    def format_task(task: Any) -> Any:
+        if user_format is not None:
+            task = user_format(task)
+        fields = getattr(task, "_fields", None)
+        uuid = getattr(task, "uuid", None)
+        if fields is None or uuid is None:
+            return task
+        original = flower_app.events.state.tasks.get(uuid)
+        for name in FAILED_EVENT_FIELDS:
+            value = getattr(original, name, None)
+            if value and name not in fields:
+                setattr(task, name, value)
+                fields = (*fields, name)
+        task._fields = fields
+        return task
+
+    options.format_task = format_task

@@ -1,0 +1,178 @@
+"""The store's gauges on Flower's ``/metrics`` (:class:`StoreGauges`), read at
+each scrape: the calls awaiting approval, the dead letters of each
+combination, the oldest dead letter's age, and what ``INFO`` says of
+evictions.
+
+It imports prometheus_client, never Flower or tornado.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import prometheus_client
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
+
+from ...store.dead_letters import DeadLetters
+from ...worker.eviction import role_readings, servers_of
+from ..approvals import Approvals
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The gauges on Flower's ``/metrics`` (:class:`StoreGauges`).
+APPROVALS_GAUGE = "tooleffect_approvals_pending"
+DEAD_LETTERS_GAUGE = "tooleffect_dead_letters"
+OLDEST_DEAD_LETTER_GAUGE = "tooleffect_oldest_dead_letter_age_seconds"
+EVICTED_KEYS_GAUGE = "tooleffect_store_evicted_keys"
+EVICTING_POLICY_GAUGE = "tooleffect_store_maxmemory_policy_evicting"
+
+
+class StoreGauges:
+    """A prometheus_client collector of the store's gauges, read at each scrape.
+
+    - ``tooleffect_approvals_pending{queue,tool}``: from ``Approvals(app).stats()``
+      (which, as every read of the approvals, also expires the calls nobody
+      decided in time);
+    - ``tooleffect_dead_letters{queue,reason,failure_class,effect}``: the joint
+      counts, one ``HGETALL`` (:meth:`DeadLetters.counts`);
+    - ``tooleffect_oldest_dead_letter_age_seconds{queue}``: now minus the
+      oldest score of each queue's index, one pipelined ``ZREVRANGE -1 -1
+      WITHSCORES`` per queue (:meth:`DeadLetters.oldest`);
+    - ``tooleffect_store_evicted_keys{store}`` and
+      ``tooleffect_store_maxmemory_policy_evicting{store}`` (1 when its
+      ``maxmemory-policy`` is not ``noeviction``, whatever ``maxmemory``):
+      one ``INFO`` per server, ``store`` being ``journal`` (the journal and
+      audit store) or ``dead_letters`` (only with ``dead_letters``); a server
+      playing both roles gives both samples (see
+      :mod:`celery_tooleffect.worker.eviction`).
+
+    No envelope is read. A label set with nothing in it has no sample. When a
+    store does not answer, its gauges have no sample at all (absent, never a
+    false 0) and a warning is logged; the other gauges, and the rest of
+    ``/metrics``, are served all the same.
+    """
+
+    def __init__(self, approvals: Approvals, dead_letters: DeadLetters | None = None) -> None:
+        self.approvals = approvals
+        self.dead_letters = dead_letters
+
+    def families(self) -> list[GaugeMetricFamily]:
+        """Empty families of the gauges, in the order they are served."""
+        found = [GaugeMetricFamily(
+            APPROVALS_GAUGE, "Tool calls awaiting a person's approval (celery-tooleffect).",
+            labels=["queue", "tool"],
+        )]
+        if self.dead_letters is not None:
+            found += [
+                GaugeMetricFamily(
+                    DEAD_LETTERS_GAUGE,
+                    "Dead letters by queue, dead-letter reason, failure class and effect "
+                    "(celery-tooleffect).",
+                    labels=["queue", "reason", "failure_class", "effect"],
+                ),
+                GaugeMetricFamily(
+                    OLDEST_DEAD_LETTER_GAUGE,
+                    "Seconds since the oldest dead letter of the queue was stored "
+                    "(celery-tooleffect).",
+                    labels=["queue"],
+                ),
+            ]
+        found += [
+            GaugeMetricFamily(
+                EVICTED_KEYS_GAUGE,
+                "Keys the store's Redis has evicted (INFO evicted_keys; celery-tooleffect).",
+                labels=["store"],
+            ),
+            GaugeMetricFamily(
+                EVICTING_POLICY_GAUGE,
+                "1 when the store's maxmemory-policy can evict the package's keys "
+                "(celery-tooleffect).",
+                labels=["store"],
+            ),
+        ]
+        return found
+
+    def describe(self) -> list[Metric]:
+        # Their names, without a scrape's Redis reads (registering calls this).
+        return list(self.families())
+
+    def collect(self) -> Iterator[Metric]:
+        families = self.families()
+        yield from self.evictions(*families[-2:])
+        approvals = families[0]
+        stats = _served(APPROVALS_GAUGE, self.approvals.stats)
+        if stats is not None:
+            for row in stats["by_queue_and_tool"]:
+                approvals.add_metric([row["queue"], row["tool"]], row["pending"])
+            yield approvals
+        if self.dead_letters is None:
+            return
+        letters, oldest = families[1], families[2]
+        counts = _served(DEAD_LETTERS_GAUGE, self.dead_letters.counts)
+        if counts is not None:
+            for count in counts:
+                letters.add_metric(
+                    [count.queue, count.reason, count.failure_class, count.effect], count.count
+                )
+            yield letters
+        stored = _served(OLDEST_DEAD_LETTER_GAUGE, self.dead_letters.oldest)
+        if stored is not None:
+            now = time.time()
+            for queue, stored_at in sorted(stored.items()):
+                oldest.add_metric([queue], max(now - stored_at, 0.0))
+            yield oldest
+
+    def evictions(self, evicted: GaugeMetricFamily,
+                  evicting: GaugeMetricFamily) -> Iterator[Metric]:
+        """The eviction gauges of the roles whose servers answered."""
+        letters = self.dead_letters.client if self.dead_letters is not None else None
+        found = _served(EVICTED_KEYS_GAUGE, lambda: role_readings(
+            servers_of(self.approvals.runtime.audit.client, letters)))
+        if found is None:
+            return
+        readings, failed = found
+        for role, exc in sorted(failed.items()):
+            logger.warning("%s{store=%s} not served: %s: %s", EVICTED_KEYS_GAUGE, role,
+                           type(exc).__name__, exc)
+        for role, reading in sorted(readings.items()):
+            evicted.add_metric([role], reading.evicted_keys)
+            evicting.add_metric([role], 1.0 if reading.evicting else 0.0)
+        if readings:
+            yield evicted
+            yield evicting
+
+
+def _served(gauge: str, read: Callable[[], T]) -> T | None:
+    """``read()``, or None (and a warning) when the store does not answer."""
+    try:
+        return read()
+    except Exception as exc:  # the rest of /metrics is served all the same
+        logger.warning("%s not served: %s: %s", gauge, type(exc).__name__, exc)
+        return None
+
+
+#: The collector each registry serves (a second Flower app in a process replaces the first's).
+_gauges: weakref.WeakKeyDictionary[CollectorRegistry, StoreGauges] = (
+    weakref.WeakKeyDictionary())
+
+
+def export_store_gauges(
+    approvals: Approvals, dead_letters: DeadLetters | None = None,
+    registry: CollectorRegistry = prometheus_client.REGISTRY,
+) -> StoreGauges:
+    """Serve the store's gauges (:class:`StoreGauges`) from ``registry``: by default
+    prometheus_client's own, the one Flower's ``/metrics`` writes out."""
+    gauges = StoreGauges(approvals, dead_letters)
+    previous = _gauges.pop(registry, None)
+    if previous is not None:
+        registry.unregister(previous)
+    registry.register(gauges)
+    _gauges[registry] = gauges
+    return gauges
