@@ -5,7 +5,8 @@ closed when their audit cannot be stored, and are never run twice when
 interrupted. See the README for the guarantees and how they are tested.
 """
 
-from .admin.approvals import Approvals
+from typing import TYPE_CHECKING, Any
+
 from .effect import ToolEffect, ToolEffectInterface, ToolEffectResolver
 from .errors import (
     ApprovalRejected,
@@ -13,6 +14,8 @@ from .errors import (
     AttemptInProgress,
     AuditPersistenceFailed,
     CallIdConflict,
+    ChordEnded,
+    CircuitOpenError,
     ConfigurationError,
     DeadLettered,
     EffectRelabelRefused,
@@ -22,7 +25,9 @@ from .errors import (
     InvalidCallId,
     LeaseLost,
     LeaseNotSecured,
+    NoSideEffect,
     ReconcileFailed,
+    RedisServerError,
     RetriesExhausted,
     StoreUnavailable,
     TaskRevokedWhileRunning,
@@ -31,15 +36,15 @@ from .errors import (
     ToolEffectError,
 )
 from .events import AuditEvent
-from .failures import CircuitOpenError, FailureClass, FailureClassifier, NoSideEffect
+from .failures import FailureClass, FailureClassifier
 from .identity import call_task_id
 from .reconciliation import ReconcileStatus, Reconciliation
 from .signals import approval_requested
+from .states import ApprovalState, DeadLetterReason, JournalState
 from .store.approvals import Approval
 from .store.audit import AuditLog
-from .store.dead_letters import DeadLetter, DeadLetterReason, DeadLetters
+from .store.dead_letters import DeadLetter, DeadLetters
 from .store.journal import Journal
-from .store.states import ApprovalState, JournalState
 from .task import ToolTask
 
 __all__ = [
@@ -53,6 +58,7 @@ __all__ = [
     "AuditLog",
     "AuditPersistenceFailed",
     "CallIdConflict",
+    "ChordEnded",
     "CircuitOpenError",
     "ConfigurationError",
     "DeadLetter",
@@ -74,6 +80,7 @@ __all__ = [
     "ReconcileFailed",
     "ReconcileStatus",
     "Reconciliation",
+    "RedisServerError",
     "RetriesExhausted",
     "StoreUnavailable",
     "TaskRevokedWhileRunning",
@@ -87,6 +94,22 @@ __all__ = [
     "approval_requested",
     "call_task_id",
 ]
+
+if TYPE_CHECKING:
+    from .admin.approvals import Approvals
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: ``Approvals`` is the operators' API (admin/); it is loaded when
+    # first asked for, so that importing the package (every worker, every
+    # producer) loads nothing of admin/.
+    if name == "Approvals":
+        from .admin.approvals import Approvals
+
+        globals()[name] = Approvals
+        return Approvals
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # The version's one place: the distribution's version is read from this line
 # (pyproject.toml, [tool.setuptools.dynamic]), so keep it a plain string.

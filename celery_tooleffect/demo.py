@@ -81,6 +81,7 @@ from celery.contrib.testing.worker import start_worker
 
 from .admin.approvals import Approvals
 from .effect import ToolEffect
+from .errors import RedisServerError
 from .reconciliation import Reconciliation
 from .settings import settings_for
 from .store.approvals import Approval
@@ -90,7 +91,6 @@ from .store.journal import Journal, JournalRef
 from .task import ToolTask
 from .testing import (
     RedisServer,
-    RedisServerError,
     WorkerProcess,
     configure_for_test,
     delete_keys,

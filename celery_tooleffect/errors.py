@@ -24,15 +24,18 @@ wrong and what it means::
      +-- ReconcileFailed                 a tool's reconcile timed out or answered nonsense
      +-- ApprovalRejected                a person rejected the call, or nobody decided in time
      +-- ApprovalRequired                an interactive call of a tool that needs approval
-     +-- CircuitOpenError                (failures.py) raise it when a breaker refuses a call
-     +-- NoSideEffect                    (failures.py) raise it for an error before any effect
+     +-- CircuitOpenError                raise it when a circuit breaker refuses a call
+     +-- NoSideEffect                    raise it for an error before any side effect
      +-- DeadLettered                    (also Celery's Reject) the message is a dead letter
      +-- LeaseLost                       (also Celery's Ignore) another delivery owns the call
-     +-- RedisServerError                (testing.py) a test's redis-server did not start
+     +-- ChordEnded                      a replayed chord member's chord ended meanwhile
+     +-- RedisServerError                (also RuntimeError) a test's redis-server did not start
 
-``DeadLettered`` and ``LeaseLost`` end a call inside the worker; a result
-backend stores them (and the others) with ``exc_module`` set to this module,
-so it is where they stay.
+Every exception class the package defines is here. A result backend stores an
+exception with ``exc_module`` set to the module of its class, so a class never
+leaves this module once released; the few that lived elsewhere before
+(``failures``, ``admin.operations.replay``, ``testing``) are still importable
+from there, so that results stored then still load.
 """
 
 from __future__ import annotations
@@ -128,6 +131,9 @@ class DeadLettered(ToolEffectError, Reject):  # type: ignore[misc]
         failure_class: str,
         dead_letter_reason: str,
         reason: BaseException | None = None,
+        *,
+        pending_letter: Any = None,
+        error: BaseException | None = None,
     ) -> None:
         # Reject's __init__ (ToolEffectError, before it in the MRO, has none).
         Reject.__init__(self, reason, requeue=False)
@@ -135,13 +141,12 @@ class DeadLettered(ToolEffectError, Reject):  # type: ignore[misc]
         self.description = description
         self.failure_class = failure_class
         self.dead_letter_reason = dead_letter_reason
-        #: The letter a tool decided, until the process that holds the message
-        #: stores it (a ``celery_tooleffect.worker.letters.PendingLetter``); None once
-        #: stored, so that it never reaches a result backend.
-        self.pending_letter: Any = None
-        #: True when the task id's Celery result is another call's (a call-id
-        #: conflict): the worker stores the letter and leaves the result alone.
-        self.keep_result = False
+        #: The letter a tool decided (a ``celery_tooleffect.worker.handoff.PendingLetter``),
+        #: on its way from the pool process to the worker's main process, which
+        #: holds the message and stores it; taken off there, so that it never
+        #: reaches a result backend. None once stored, or when this process
+        #: stored it.
+        self.pending_letter = pending_letter
         #: The exception Celery's result shows instead of this one: what the
         #: tool's body raised (or the arguments' ``TypeError``). The pool
         #: process raises it in place of this ``DeadLettered``, so that
@@ -150,7 +155,7 @@ class DeadLettered(ToolEffectError, Reject):  # type: ignore[misc]
         #: the failure is the package's own (an audit that could not be
         #: stored, an interrupted write, a conflict, a forged header): then
         #: the result is this ``DeadLettered``.
-        self.error: BaseException | None = None
+        self.error = error
 
     def __str__(self) -> str:
         return (
@@ -255,3 +260,34 @@ class ApprovalRequired(ToolEffectError):
     for a person to decide, so queue it (``apply_async``)."""
 
     failure_class = "client_error"
+
+
+class CircuitOpenError(ToolEffectError):
+    """Raise when a circuit breaker refuses a call; classified CIRCUIT_OPEN
+    (retried with backoff)."""
+
+    failure_class = "circuit_open"
+
+
+class NoSideEffect(ToolEffectError):
+    """An error raised before the tool touched anything outside itself.
+
+    Wrap (``raise NoSideEffect(exc) from exc``) or subclass it. A
+    NON_IDEMPOTENT_WRITE that fails with it may be retried like any other tool,
+    because the write provably did not happen. Its class is the wrapped
+    error's class.
+    """
+
+    def __init__(self, error: BaseException | str = "failed before any side effect") -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class ChordEnded(ToolEffectError):
+    """The chord of a replayed dead letter (a chord member) ended meanwhile; the
+    replay is refused and the letter kept."""
+
+
+class RedisServerError(ToolEffectError, RuntimeError):
+    """No ``redis-server`` binary, or one that did not start
+    (:mod:`celery_tooleffect.testing`, the demo)."""

@@ -21,7 +21,11 @@ from celery.exceptions import Reject
 from kombu.utils.imports import symbol_by_name
 
 from .choices import Choice
-from .errors import ToolEffectError
+
+# CircuitOpenError and NoSideEffect were defined here: still importable from
+# here, so that a result stored with this module as its exc_module loads.
+from .errors import CircuitOpenError as CircuitOpenError
+from .errors import NoSideEffect as NoSideEffect
 
 
 class FailureClass(Choice):
@@ -52,26 +56,6 @@ _RETRYABLE = frozenset(
         FailureClass.CIRCUIT_OPEN,
     }
 )
-
-
-class CircuitOpenError(ToolEffectError):
-    """Raise when a circuit breaker refuses a call; classified CIRCUIT_OPEN."""
-
-    failure_class = FailureClass.CIRCUIT_OPEN
-
-
-class NoSideEffect(ToolEffectError):
-    """An error raised before the tool touched anything outside itself.
-
-    Wrap (``raise NoSideEffect(exc) from exc``) or subclass it. A
-    NON_IDEMPOTENT_WRITE that fails with it may be retried like any other tool,
-    because the write provably did not happen. Its class is the wrapped
-    error's class.
-    """
-
-    def __init__(self, error: BaseException | str = "failed before any side effect") -> None:
-        super().__init__(error)
-        self.error = error
 
 
 def is_no_side_effect(exc: BaseException) -> bool:

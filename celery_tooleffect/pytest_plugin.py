@@ -39,12 +39,12 @@ from typing import Any
 
 import pytest
 
+from .states import ApprovalState
 from .store.approvals import Approval
 from .store.audit import AuditLog
 from .store.dead_letters import DeadLetter, DeadLetters
 from .store.journal import Journal, JournalRef
 from .store.runtime import runtime_for
-from .store.states import ApprovalState
 from .testing import (
     APP_ENV,
     STORE_ENV,

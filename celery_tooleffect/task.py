@@ -35,19 +35,17 @@ from .worker.approvals import install_approval_sweep
 from .worker.attempt import (
     AGAIN_HEADER,
     CALL_ID_HEADER,
-    FENCING_TOKEN_FIELD,
     REPUBLISH_OPTION,
     RUN_ID_HEADER,
     forged_headers,
     idempotency_key,
     resolve_run_id,
-    without_internal_fields,
 )
 from .worker.children import current_parent
 from .worker.consumer import install_consumer_step
 from .worker.execution import acknowledge_success, run_tool
 from .worker.fetch import install_atomic_fetch
-from .worker.letters import decided_with_error
+from .worker.handoff import hand_over, noted, without_handoff
 from .worker.retries import (
     REQUESTED_EXHAUSTED_MARK,
     RetryPolicy,
@@ -245,7 +243,8 @@ class ToolTask(Task):  # type: ignore[misc]
         Only a write has one (a READ_ONLY tool keeps no journal), and only
         while its body runs; elsewhere it raises :class:`ToolContextError`.
         """
-        token = getattr(self.request, FENCING_TOKEN_FIELD, None)
+        notes = noted(self.request)
+        token = notes.fencing_token if notes is not None else None
         if token is None:
             raise ToolContextError(
                 f"{self.name}: a fencing token exists only while a write's body runs "
@@ -295,13 +294,14 @@ class ToolTask(Task):  # type: ignore[misc]
     # -- calling -------------------------------------------------------------
 
     def signature_from_request(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's, without the fields the worker added to the request for its pool
-        (every republish of a task from its own request goes through here), and
-        marked as such a republish: it claims no task id (``apply_async``)."""
+        """Celery's, without what the worker's main process handed its pool with
+        the request (every republish of a task from its own request goes
+        through here), and marked as such a republish: it claims no task id
+        (``apply_async``)."""
         signature = super().signature_from_request(*args, **kwargs)
         if self._tooleffect_plain:
             return signature
-        signature = without_internal_fields(signature)
+        signature = without_handoff(signature)
         signature.options[REPUBLISH_OPTION] = True
         # Celery passes the request's headers on (Context.as_execution_options):
         # the copy says it is one, so a READ_ONLY release asks the journal.
@@ -403,13 +403,13 @@ class ToolTask(Task):  # type: ignore[misc]
             try:
                 return run_tool(self, request, args, kwargs)
             except DeadLettered as rejection:
-                error = decided_with_error(request, rejection)
-                if error is None:
+                ending = hand_over(request, rejection)
+                if ending is rejection:
                     raise
             # A dead letter whose result is the tool's own error: raised for
             # Celery's tracer to store and report as plain Celery does (outside
             # the except clause, so that its __context__ stays its own).
-            raise error
+            raise ending
         # A direct call: give it a task id so that a write is journalled
         # exactly like a queued one. In a tool's body the id is derived from
         # the parent, and the call is in the parent's run; elsewhere it is

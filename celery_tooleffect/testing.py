@@ -45,7 +45,8 @@ from typing import Any, TypeVar
 
 import redis
 
-from .errors import ToolEffectError
+# RedisServerError was defined here: still importable from here (see errors.py).
+from .errors import RedisServerError
 
 __all__ = [
     "REDIS_URL",
@@ -102,10 +103,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 # -- Redis -------------------------------------------------------------------------------
-
-
-class RedisServerError(ToolEffectError, RuntimeError):
-    """No ``redis-server`` binary, or one that did not start."""
 
 
 def redis_server_binary() -> str:

@@ -33,11 +33,13 @@ from celery_tooleffect import AuditEvent, AuditLog, DeadLetter, DeadLetters, Too
 from celery_tooleffect.admin.cli import tooleffect
 from celery_tooleffect.admin.cli.base import parse_duration
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
+from celery_tooleffect.store.envelope import MessageEnvelope
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.states import JournalState
 from celery_tooleffect.testing import TcpProxy
 from tests.conftest import REDIS_URL, TESTS, Counter, running_worker, wait_for
+from tests.letters import letter_of_call
 
 WIDTH = 100
 NAMES = {
@@ -384,11 +386,10 @@ def test_a_write_whose_body_completed_says_it_already_ran(tools: Tools) -> None:
     app = tools.app
     letters = DeadLetters(app)
     for effect in (ToolEffect.IDEMPOTENT_WRITE, ToolEffect.NON_IDEMPOTENT_WRITE):
-        letter = DeadLetter(
-            task_id=f"completed-{effect.value}", name=NAMES[effect], queue="tools",
+        letter = letter_of_call(
+            app, task_id=f"completed-{effect.value}", name=NAMES[effect],
+            args=[f"done-{effect.value}"], run_id=f"run-completed-{effect.value}",
             reason="not_retryable", failure_class="unknown", effect=effect.value,
-            v1_args=[f"done-{effect.value}"], version=1,  # a letter of release 0.1
-            run_id=f"run-completed-{effect.value}",
             exception_type="AuditPersistenceFailed", body_completed=True,
         )
         letters.store(letter)
@@ -443,7 +444,8 @@ def test_an_undecodable_message_cannot_be_replayed(tools: Tools) -> None:
     letter = DeadLetter(
         task_id="undecodable-1", name="", queue="tools", reason="undecodable_message",
         failure_class="client_error", effect="non_idempotent_write",
-        v1_raw_body="\x00garbage", version=1,
+        message=MessageEnvelope(body=b"\x00garbage", content_type=None, content_encoding=None,
+                                routing_key="tools"),
         run_id="undecodable-1",
     )
     DeadLetters(app).store(letter)

@@ -34,6 +34,7 @@ from celery import Celery
 
 from celery_tooleffect import DeadLetter, DeadLetters, ToolEffect, ToolTask
 from tests.conftest import REDIS_URL, TESTS, Counter, free_port, running_worker, wait_for
+from tests.letters import letter_of_call
 
 CHROMIUM = next((path for path in (shutil.which("chromium"), "/usr/bin/chromium",
                                    shutil.which("chromium-browser")) if path
@@ -384,11 +385,10 @@ def _request(url: str, *, method: str = "GET", body: dict[str, Any] | None = Non
 
 
 def _store(app: Celery, effect: ToolEffect, key: str) -> DeadLetter:
-    letter = DeadLetter(
-        task_id=f"{key}-{uuid.uuid4().hex[:6]}", name=NAMES[effect], queue="tools",
-        reason="not_retryable", failure_class="auth", effect=effect.value,
-        v1_args=[key], version=1,  # a letter of release 0.1 (no message kept)
-        run_id=f"run-{key}", exception_type="TokenRevoked", attempts=1,
+    letter = letter_of_call(
+        app, task_id=f"{key}-{uuid.uuid4().hex[:6]}", name=NAMES[effect], args=[key],
+        run_id=f"run-{key}", reason="not_retryable", failure_class="auth",
+        effect=effect.value, exception_type="TokenRevoked", attempts=1,
     )
     assert DeadLetters(app).store(letter)
     return letter

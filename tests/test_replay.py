@@ -333,10 +333,11 @@ def test_body_of_a_content_type_not_accepted_replays_unchanged_once_accepted(
     assert pickle.loads(client.lindex(f"{prefix}late", 0)) == (args, {})
 
 
-# -- letters of the previous release -------------------------------------------------------
+# -- letters of envelope version 1 ---------------------------------------------------------
 
 
-#: A dead letter as release 0.1 stored it (envelope version 1: no message kept).
+#: A dead letter as development builds stored it (envelope version 1: no message
+#: kept; no release wrote one).
 VERSION_1 = (
     '{"task_id": "%(id)s", "name": "replay.late", "queue": "tools", '
     '"reason": "not_retryable", "failure_class": "unknown", "effect": "read_only", '
@@ -351,22 +352,21 @@ VERSION_1 = (
 )
 
 
-def test_letter_of_the_previous_release_is_shown_and_replayed(
-    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
-) -> None:
+def test_a_letter_of_envelope_version_1_is_shown_refused_and_purged(app: Celery) -> None:
     task_id = uuid.uuid4().hex
     old = DeadLetter.from_json(VERSION_1 % {"id": task_id})
     assert old.version == 1 and old.message is None
     assert DeadLetters(app).store(old)
     again = DeadLetters(app).get(task_id)
     assert again is not None and again.to_dict() == old.to_dict()
-    assert (again.args, again.kwargs) == (["old", 1], {"flag": True})
+    assert (again.args, again.kwargs) == ([], {})  # no message: nothing to decode
 
-    detail = DeadLetterOperations(app).detail(task_id)
-    assert detail is not None
-    assert detail["dead_letter"]["args"] == ["old", 1] and detail["replay"]["allowed"]
-
-    start()
-    replay(app, task_id, force=False)
-    wait_for(lambda: client.llen(f"{prefix}late") == 1, what="the old letter to run")
-    assert pickle.loads(client.lindex(f"{prefix}late", 0)) == (("old", 1), {"flag": True})
+    operations = DeadLetterOperations(app)
+    detail = operations.detail(task_id)
+    assert detail is not None and not detail["replay"]["allowed"]
+    assert "envelope version 1" in detail["dead_letter"]["decode_error"]
+    refused = operations.replay(task_id, actor="test", force=True, reason="old letter")
+    assert refused.outcome is Outcome.REFUSED
+    assert "keeps no message (envelope version 1" in refused.message
+    assert operations.purge(task_id, actor="test", reason="old letter").ok
+    assert DeadLetters(app).get(task_id) is None

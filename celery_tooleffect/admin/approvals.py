@@ -16,9 +16,9 @@ import builtins
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..states import ApprovalState
 from ..store.approvals import Approval
 from ..store.runtime import runtime_for
-from ..store.states import ApprovalState
 from ..worker.approvals import decide, expire_overdue
 from .operations.results import ActionResult, Outcome, default_actor
 from .operations.stores import STORE_ERRORS

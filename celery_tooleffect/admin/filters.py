@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from ..effect import ToolEffect
 from ..failures import FailureClass
-from ..store.dead_letters import DeadLetterQuery, DeadLetterReason
-from ..store.states import ApprovalState
+from ..states import ApprovalState, DeadLetterReason
+from ..store.dead_letters import DeadLetterQuery
 
 #: ``--dead-letter-reason`` / ``dead_letter_reason``: why a message became a dead letter.
 DEAD_LETTER_REASONS = DeadLetterReason.values()

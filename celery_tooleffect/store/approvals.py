@@ -32,12 +32,13 @@ import redis
 from ..errors import StoreUnavailable
 from ..events import AuditEvent
 from ..settings import Settings
+from ..states import ApprovalState
 from .audit import AuditLog, flatten, text
 from .connections import client_for
 from .envelope import MessageEnvelope
 from .keys import Keys
 from .lua import script
-from .states import ApprovalState, approval_argument
+from .states import approval_argument
 
 
 @dataclass(frozen=True)

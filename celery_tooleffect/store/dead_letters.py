@@ -35,9 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from ..choices import Choice
 from ..errors import StoreUnavailable
 from ..settings import Settings, settings_for
+
+# DeadLetterReason is a public name (celery_tooleffect.states); imported from
+# here too, as it was defined here before.
+from ..states import DeadLetterReason as DeadLetterReason
 from ..store.audit import text
 from ..store.connections import client_for, one_round_trip
 from ..store.envelope import MessageEnvelope
@@ -48,33 +51,13 @@ if TYPE_CHECKING:
     from celery import Celery
 
 
-#: Version of the envelope this release writes (see :class:`DeadLetter`).
+#: Version of the envelope this release writes and reads (see :class:`DeadLetter`).
 ENVELOPE_VERSION = 2
 
 
 #: Content types whose decoding runs no code of the message's choosing
 #: (kombu's YAML decoder is ``yaml.safe_load``).
 SAFE_CONTENT = ("json", "msgpack", "yaml")
-
-_V1 = "v1_"
-
-
-class DeadLetterReason(Choice):
-    """Why a task was dead-lettered."""
-
-    __choice_name__ = "a dead-letter reason"
-
-    NOT_RETRYABLE = "not_retryable"
-    RETRIES_EXHAUSTED = "retries_exhausted"
-    INTERRUPTED_WRITE = "interrupted_write"
-    #: ``revoke(terminate=True)`` stopped the write while its body ran.
-    REVOKED = "revoked"
-    UNKNOWN_TASK = "unknown_task"
-    UNDECODABLE_MESSAGE = "undecodable_message"
-    MALFORMED_MESSAGE = "malformed_message"
-    #: Its task id belongs to another call (another tool or other arguments);
-    #: kept under its own id (:func:`conflict_letter_id`), never replayed.
-    CALL_ID_CONFLICT = "call_id_conflict"
 
 
 def conflict_letter_id(task_id: str, digest: str) -> str:
@@ -87,13 +70,13 @@ def conflict_letter_id(task_id: str, digest: str) -> str:
 class DeadLetter:
     """A dead-lettered task: the message as the broker delivered it, and why it is here.
 
-    ``message`` (envelope version 2) keeps the message whole, so that a replay
-    publishes the same bytes, headers and properties (see
-    :mod:`celery_tooleffect.store.envelope`); whoever can read the dead-letter keys
-    can read it. Letters written before version 2 have no ``message``: they
-    carry ``args``, ``kwargs``, ``headers`` and ``options`` instead (and
-    ``raw_body`` for a message that could not be decoded), read into the
-    ``v1_`` fields, and are still shown and replayed as they were.
+    ``message`` keeps the message whole, so that a replay publishes the same
+    bytes, headers and properties (see :mod:`celery_tooleffect.store.envelope`);
+    whoever can read the dead-letter keys can read it. Every letter this
+    release stores has one (envelope version 2). A letter of version 1, which
+    only development builds wrote (no release did), kept no message: it is read
+    without one (its arguments are not shown), its replay is refused, and it
+    can be purged.
     """
 
     task_id: str
@@ -109,33 +92,18 @@ class DeadLetter:
     worker: str = ""
     body_completed: bool = False
     dead_lettered_at: float = field(default_factory=time.time)
-    #: The message as the broker delivered it (version 2).
+    #: The message as the broker delivered it (None only on its way from the
+    #: pool process, which does not hold it, and in a letter of version 1).
     message: MessageEnvelope | None = None
-    #: Envelope version: 1 for letters without ``message``.
+    #: Envelope version (a stored letter without one is of version 1).
     version: int = ENVELOPE_VERSION
     #: Outcomes reported by a worker that had lost its lease after the task
     #: was dead-lettered: the write still ran, and this says how it ended.
     late_outcomes: list[dict[str, str]] = field(default_factory=list)
-    # -- version 1 only (stored under these names without the ``v1_`` prefix) --
-    v1_args: list[Any] = field(default_factory=list)
-    v1_kwargs: dict[str, Any] = field(default_factory=dict)
-    v1_headers: dict[str, Any] = field(default_factory=dict)
-    v1_options: dict[str, Any] = field(default_factory=dict)
-    v1_raw_body: str | None = None
-    v1_raw_body_encoding: str | None = None
-    v1_content_type: str | None = None
-    v1_content_encoding: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form (the stored envelope); :meth:`from_dict` reads it back equal."""
-        data: dict[str, Any] = {}
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if name.startswith(_V1):
-                if self.version == 1:
-                    data[name[len(_V1):]] = value
-                continue
-            data[name] = value
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
         data["message"] = self.message.to_dict() if self.message is not None else None
         return data
 
@@ -145,13 +113,8 @@ class DeadLetter:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeadLetter:
         known = set(cls.__dataclass_fields__)
-        values: dict[str, Any] = {}
-        for key, value in data.items():
-            if key in known and not key.startswith(_V1):
-                values[key] = value
-            elif _V1 + key in known:
-                values[_V1 + key] = value
-        values.setdefault("version", 1)  # letters from before the field existed
+        values = {key: value for key, value in data.items() if key in known}
+        values.setdefault("version", 1)  # version 1 did not say its version
         message = values.get("message")
         values["message"] = MessageEnvelope.from_dict(message) if message else None
         return cls(**values)
@@ -180,8 +143,8 @@ class DeadLetter:
 
     @property
     def headers_as_delivered(self) -> Mapping[str, Any]:
-        """The message's headers (version 1: the few it kept)."""
-        return self.message.headers if self.message is not None else self.v1_headers
+        """The message's headers (none without a message)."""
+        return self.message.headers if self.message is not None else {}
 
     def payload(self, accept: Any) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
         """``(args, kwargs, embed)`` of the task, decoded for display only.
@@ -192,7 +155,7 @@ class DeadLetter:
         ``chord``).
         """
         if self.message is None:
-            return list(self.v1_args), dict(self.v1_kwargs), {}
+            raise ValueError(f"{self.task_id}: no message kept (envelope version {self.version})")
         body = self.message.decoded(accept)
         if isinstance(body, (list, tuple)) and len(body) == 3:
             args, kwargs, embed = body

@@ -22,13 +22,14 @@ from ..effect import ToolEffect
 from ..errors import IntentNotDurable, StoreUnavailable
 from ..events import AuditEvent
 from ..settings import Settings
+from ..states import JournalState
 from .audit import AuditLog, StoredResult, flatten, text
 from .connections import one_round_trip
 from .durability import Durability
 from .keys import Keys
 from .leases import BrokerAck, BrokerLease
 from .lua import script
-from .states import Ending, JournalState, Verdict, allowed_argument
+from .states import Ending, Verdict, allowed_argument
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,12 @@
-"""The write journal's state machine: every state, and which moves are allowed.
+"""The write journal's state machine: which moves between its states are allowed.
 
-One module, as Celery's ``celery/states.py``: the journal (Python) and its Lua
-scripts (``scripts/*.lua``) use these names; ``tests/test_states.py`` checks
-that every state, verdict and effect literal in the scripts is one of them.
+The states are :class:`~celery_tooleffect.states.JournalState` and
+:class:`~celery_tooleffect.states.ApprovalState` (public names, in
+:mod:`celery_tooleffect.states`); this module draws how they move and names
+the allowed moves, as sets the journal (Python) and its Lua scripts
+(``scripts/*.lua``) share, with the journal's own vocabulary (:class:`Ending`,
+:class:`Verdict`). ``tests/test_states.py`` checks that every state, verdict
+and effect literal in the scripts is one of them.
 
 States of a task's entry::
 
@@ -44,26 +48,10 @@ from __future__ import annotations
 
 from ..choices import Choice
 
-
-class JournalState(Choice):
-    """Where a write's journal entry stands."""
-
-    __choice_name__ = "a journal state"
-
-    #: No entry (never written, expired, or lost with the store).
-    ABSENT = "absent"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    RETRY_SCHEDULED = "retry_scheduled"
-    #: An interactive run failed (queued runs retry or are dead-lettered).
-    FAILED = "failed"
-    #: Its attempt stopped without an outcome (worker lost, lease lapsed).
-    INTERRUPTED = "interrupted"
-    DEAD_LETTERING = "dead_lettering"
-    DEAD_LETTERED = "dead_lettered"
-    REPLAYED = "replayed"
-    #: Revoked or expired before its body started; never runs.
-    NOT_RUN = "not_run"
+# The states themselves are public names (celery_tooleffect.states); imported
+# from here too, as they were defined here before.
+from ..states import ApprovalState as ApprovalState
+from ..states import JournalState as JournalState
 
 
 class Ending(Choice):
@@ -164,22 +152,6 @@ TRANSITIONS: dict[JournalState, frozenset[JournalState]] = {
 def allowed_argument(states: frozenset[JournalState]) -> str:
     """``states`` as a script's ARGV takes them: values joined by spaces, sorted."""
     return " ".join(sorted(state.value for state in states))
-
-
-class ApprovalState(Choice):
-    """Where a call that needs approval stands."""
-
-    __choice_name__ = "an approval state"
-
-    #: Never parked (or its record expired).
-    ABSENT = "absent"
-    PENDING = "pending"
-    APPROVED = "approved"
-    REJECTED = "rejected"
-    #: Not decided within ``tooleffect_approval_timeout``: rejected as expired.
-    EXPIRED = "expired"
-    #: A rejected or expired call that a worker ended FAILURE (``ApprovalRejected``).
-    ENDED = "ended"
 
 
 A = ApprovalState

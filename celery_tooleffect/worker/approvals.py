@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from celery import bootsteps
@@ -49,16 +50,16 @@ from ..effect import ToolEffect
 from ..errors import ApprovalRejected, StoreUnavailable
 from ..events import AuditEvent
 from ..signals import approval_requested
+from ..states import ApprovalState
 from ..store import states
 from ..store.approvals import Approval, ApprovalMove, overdue_before
 from ..store.audit import StepContext, describe_payload, worker_identity
 from ..store.envelope import MessageEnvelope
 from ..store.runtime import ToolRuntime, runtime_for
-from ..store.states import ApprovalState
 from . import telemetry
-from .attempt import APPROVED_FIELD, FORGED_FIELD, Attempt
+from .attempt import Attempt
+from .handoff import exception_info
 from .republish import republish
-from .request import exception_info
 from .signals import AUDITED_MARK
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,9 @@ def needs_approval(task: Any, args: Any, kwargs: Any) -> bool:
 def gate(request: Any) -> bool:
     """Let ``request`` (a ``ToolRequest``) through (False) or end its delivery
     here (True); see the module docs."""
-    if request._request_dict.get(FORGED_FIELD):
-        # A message that sets the package's own headers (tooleffect_approved
-        # among them) is dead-lettered by the pool process before anything runs.
+    if request.handoff.forged:
+        # A message that sets the package's own headers is dead-lettered by
+        # the pool process before anything runs.
         return False
     if not needs_approval(request.task, request.args, request.kwargs):
         return False
@@ -98,7 +99,7 @@ def gate(request: Any) -> bool:
         _end_delivery(request, requeue=True)
         return True
     if state is ApprovalState.APPROVED:
-        request._request_dict[APPROVED_FIELD] = "1"
+        request.handoff = replace(request.handoff, approved=True)
         return False
     if state in (ApprovalState.REJECTED, ApprovalState.EXPIRED):
         _end_refused(request, attempt, runtime, state)

@@ -20,6 +20,10 @@ from ..store.audit import StepContext, worker_identity
 from ..store.envelope import REPLAY_HEADER
 from ..store.journal import JournalRef
 
+# What the worker adds to a request for its pool (worker/handoff.py), named
+# here too beside the headers a producer may set.
+from .handoff import INTERNAL_FIELDS as INTERNAL_FIELDS
+
 #: The ``tooleffect_*`` message headers a producer may set: the run id, the
 #: agent's call id, and the mark a dead-letter replay leaves (informational: workers decide from the
 #: journal, so setting it grants nothing).
@@ -33,29 +37,9 @@ CALL_ID_HEADER = "tooleffect_call_id"
 #: ask the journal (one read), so a producer that sets it grants nothing.
 AGAIN_HEADER = "tooleffect_again"
 ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, CALL_ID_HEADER, REPLAY_HEADER, AGAIN_HEADER})
-#: Request fields the worker's main process adds for the pool process; never
-#: taken from a message.
-TOKEN_FIELD = "tooleffect_token"
-FORGED_FIELD = "tooleffect_forged_headers"
-#: The request field the pool process sets for a write's body (read by
-#: ``ToolTask.fencing_token``).
-FENCING_TOKEN_FIELD = "tooleffect_fencing_token"
-#: Set by the worker's main process when the store says this call of a tool
-#: that needs approval was approved (a producer's header of this name is
-#: refused as forged, as any ``tooleffect_*`` header).
-APPROVED_FIELD = "tooleffect_approved"
-#: Set by the worker's main process when the pool process acknowledges the
-#: message itself on success (the broker is the store's Redis): with the
-#: call's outcome, in the same script, or else alone once Celery stored the
-#: result (``ToolTask.after_return``). The main process then sends nothing.
-ACK_FIELD = "tooleffect_ack"
-#: Set by the pool process once it acknowledged the message (see ACK_FIELD).
-ACKED_FIELD = "tooleffect_acked"
 #: The option ``ToolTask.signature_from_request`` adds: a republish of a task
 #: from its own request (a retry, a deferral), which claims no id.
 REPUBLISH_OPTION = "_tooleffect_republish"
-INTERNAL_FIELDS = (TOKEN_FIELD, FORGED_FIELD, FENCING_TOKEN_FIELD, APPROVED_FIELD, ACK_FIELD,
-                   ACKED_FIELD)
 
 
 _tokens: dict[int, tuple[str, Iterator[int]]] = {}
@@ -190,18 +174,3 @@ def idempotency_key(run_id: str, task_id: str) -> str:
     run). SHA-256 of the run id and the task id, 32 hex digits."""
     digest = hashlib.sha256(f"{run_id}\n{task_id}".encode("utf-8", "replace"))
     return digest.hexdigest()[:32]
-
-
-def without_internal_fields(signature: Any) -> Any:
-    """``signature`` with the fields the worker added for its pool removed.
-
-    Used before republishing a task (retry, deferral) from its own request,
-    whose headers carry those fields.
-    """
-    headers = signature.options.get("headers")
-    if isinstance(headers, Mapping):
-        signature.options["headers"] = {
-            name: value for name, value in headers.items()
-            if name not in INTERNAL_FIELDS
-        }
-    return signature

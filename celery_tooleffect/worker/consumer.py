@@ -90,8 +90,9 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from ..effect import ToolEffect, ToolEffectResolver
 from ..errors import StoreUnavailable
 from ..failures import FailureClass
+from ..states import DeadLetterReason
 from ..store.audit import StepContext
-from ..store.dead_letters import DeadLetter, DeadLetterReason
+from ..store.dead_letters import DeadLetter
 from ..store.envelope import MessageEnvelope
 from ..store.runtime import runtime_for
 from ..store.transport import UNREADABLE

@@ -41,7 +41,6 @@ from ..errors import (
     AttemptInProgress,
     AuditPersistenceFailed,
     CallIdConflict,
-    DeadLettered,
     EffectRelabelRefused,
     IntentNotDurable,
     IntentNotRecorded,
@@ -57,29 +56,21 @@ from ..events import AuditEvent
 from ..failures import FailureClass, is_no_side_effect
 from ..identity import call_digest, conflict_text, publish_digest
 from ..reconciliation import ReconcileStatus, Reconciliation
+from ..states import ApprovalState, DeadLetterReason, JournalState
 from ..store import states
 from ..store.audit import describe_payload
-from ..store.dead_letters import DeadLetterReason, conflict_letter_id
+from ..store.dead_letters import conflict_letter_id
 from ..store.journal import Begin
 from ..store.leases import Leases, LeaseVerdict
 from ..store.runtime import ToolRuntime
-from ..store.states import ApprovalState, Ending, JournalState, Verdict
+from ..store.states import Ending, Verdict
 from . import telemetry
-from .attempt import (
-    ACK_FIELD,
-    ACKED_FIELD,
-    APPROVED_FIELD,
-    FENCING_TOKEN_FIELD,
-    FORGED_FIELD,
-    TOKEN_FIELD,
-    Attempt,
-    forged_headers,
-    new_token,
-)
+from .attempt import Attempt, forged_headers, new_token
 from .children import body_of
 from .faults import crash_point
+from .handoff import PendingLetter, handoff_of, noted, notes_of
 from .heartbeat import Heartbeat, LeasePlan, plan_leases
-from .letters import begin_dead_letter, build_letter
+from .letters import begin_dead_letter, build_letter, dead_lettered
 from .results import result_for_outcome, stored_by_the_outcome
 from .retries import REQUESTED_EXHAUSTED_MARK, RetryPolicy, exhausted_text
 from .signals import AUDITED_MARK
@@ -151,22 +142,25 @@ class Execution:
         self.kwargs = kwargs
         self.runtime = tool.runtime
         self.policy = tool.retry_policy
-        fields = vars(request)
+        #: What the worker's main process handed over with a queued call
+        #: (worker/handoff.py); None for an interactive one.
+        self.handoff = handoff_of(request)
         self.attempt = Attempt.of(
-            fields,
+            vars(request),
             task_id=str(request.id),
             name=tool.name,
             effect=tool.tool_effect,
             delivery_info=request.delivery_info,
             default_queue=self.runtime.settings.default_queue,
-            token=str(fields.get(TOKEN_FIELD) or new_token()),
+            token=self.handoff.token if self.handoff is not None else new_token(),
             interactive=bool(request.is_eager or request.called_directly),
             retries=int(request.retries or 0),
         )
         #: The acknowledgement of this delivery that rides with its success
         #: (the main process asked for it: the broker is the store's Redis).
         self.ack = (self.runtime.leases.broker_ack(request.properties)
-                    if fields.get(ACK_FIELD) and not self.attempt.interactive else None)
+                    if self.handoff is not None and self.handoff.ack_in_pool
+                    and not self.attempt.interactive else None)
 
     @property
     def label(self) -> str:
@@ -218,13 +212,13 @@ class Execution:
         """Run a call that needs approval only when the store says it was approved.
 
         A queued call was let through by the worker's main process, which
-        asked the store (worker/approvals.py) and said so in the request; an
+        asked the store (worker/approvals.py) and said so in its hand-off; an
         interactive call cannot be parked, so it asks here and is refused
         unless approved.
         """
         if not self.tool.needs_approval(self.args, self.kwargs):
             return
-        if getattr(self.request, APPROVED_FIELD, None) == "1" and not self.attempt.interactive:
+        if self.handoff is not None and self.handoff.approved and not self.attempt.interactive:
             return
         state = self.runtime.approvals.state(self.attempt.run_id, self.attempt.task_id)
         if state is ApprovalState.APPROVED:
@@ -238,10 +232,8 @@ class Execution:
         """Refuse forged headers and arguments the tool cannot take, before anything runs."""
         # Queued messages were checked by the worker's main process; an
         # interactive call carries its headers on the request.
-        checked = getattr(self.request, FORGED_FIELD, None)
-        forged = list(checked) if checked is not None else forged_headers(
-            _message_headers(self.request)
-        )
+        forged = (list(self.handoff.forged) if self.handoff is not None
+                  else forged_headers(_message_headers(self.request)))
         problem: BaseException | None = None
         if forged:
             problem = EffectRelabelRefused(
@@ -323,7 +315,7 @@ class Execution:
             return begin.value  # a child that ran in an earlier attempt of its parent
         attempt = self.attempt  # the effect it is handled under may be stricter
         # What the body reads as self.fencing_token.
-        setattr(self.request, FENCING_TOKEN_FIELD, begin.fencing_token)
+        notes_of(self.request).fencing_token = begin.fencing_token
         telemetry.step("intent recorded", **{"tooleffect.fencing_token": begin.fencing_token})
         crash_point("after_intent", attempt.name)
         number = begin.attempt
@@ -401,7 +393,7 @@ class Execution:
     def _acknowledged(self) -> None:
         """The script that recorded the success acknowledged the message too."""
         if self.ack is not None:
-            setattr(self.request, ACKED_FIELD, True)
+            notes_of(self.request).acknowledged = True
 
     # -- before the body -------------------------------------------------------
 
@@ -678,14 +670,11 @@ class Execution:
         )
         if attempt.interactive:
             return refused
-        ending = self._dead_letter(
+        return self._dead_letter(
             DeadLetterReason.CALL_ID_CONFLICT, refused, FailureClass.CLIENT_ERROR,
             owned=False, attempts=0, journalled=False,
-            letter_id=conflict_letter_id(attempt.task_id, self._digest()),
+            letter_id=conflict_letter_id(attempt.task_id, self._digest()), keep_result=True,
         )
-        if isinstance(ending, DeadLettered):
-            ending.keep_result = True
-        return ending
 
     def _kept(self, result: Any) -> dict[str, str] | None:
         """An interactive call's result, kept in its journal entry: a tool called
@@ -885,15 +874,18 @@ class Execution:
         journalled: bool = True,
         letter_id: str | None = None,
         error: BaseException | None = None,
+        keep_result: bool = False,
     ) -> BaseException:
         """Decide the dead letter of a queued run (``exc`` itself for an interactive one).
 
         The journal moves to ``dead_lettering`` here; the ``DeadLettered``
         returned carries the letter to the worker's main process, which holds
         the message: ``ToolRequest`` stores it with the message as delivered,
-        then rejects the message (see :mod:`celery_tooleffect.worker.letters`).
-        ``error``: the exception Celery's result shows (the body's), when the
-        failure is not the package's own.
+        then rejects the message (see :mod:`celery_tooleffect.worker.letters`
+        and :mod:`~celery_tooleffect.worker.handoff`). ``error``: the exception
+        Celery's result shows (the body's), when the failure is not the
+        package's own; ``keep_result``: the task id's result is another
+        call's, and stays as it is.
         """
         attempt = self.attempt
         if attempt.interactive:
@@ -908,12 +900,12 @@ class Execution:
             "outcome", reason.value, attempt=attempts or None, exception=exc,
             failure_class=failure_class.value,
         )
-        rejection = begin_dead_letter(
-            self.runtime, attempt, letter, outcome_event=event, owned=owned, exc=exc,
-            allowed=allowed, journalled=journalled and attempt.effect.is_write, error=error,
-        )
+        journalled = journalled and attempt.effect.is_write
+        begin_dead_letter(self.runtime, attempt, letter, outcome_event=event, owned=owned,
+                          allowed=allowed, journalled=journalled)
+        pending = PendingLetter(replace(letter, message=None), journalled, keep_result)
         telemetry.step("dead-lettered", **{"tooleffect.dead_letter.reason": reason.value})
-        return _caused(rejection, exc)
+        return _caused(dead_lettered(letter, exc, pending_letter=pending, error=error), exc)
 
     def _payload(self, **values: Any) -> dict[str, str]:
         """The call's arguments (and ``values``) as the privacy setting allows."""
@@ -932,8 +924,8 @@ class KeptResult:
 
 def acknowledge_success(tool: Tool, request: Context) -> None:
     """Acknowledge a successful call's message from the pool process, when the
-    main process asked for that (``ACK_FIELD``) and no script of the call
-    carried it (a read whose audit append failed, a result kept from an
+    main process asked for that (``Handoff.ack_in_pool``) and no script of the
+    call carried it (a read whose audit append failed, a result kept from an
     earlier attempt): alone, now that Celery stored the result. Called by
     ``ToolTask.after_return``, which Celery's tracer calls after it stored it.
 
@@ -942,15 +934,17 @@ def acknowledge_success(tool: Tool, request: Context) -> None:
     kombu restores it after the visibility timeout and its next delivery is
     settled by the journal (a write) or runs again (a read).
     """
-    if not getattr(request, ACK_FIELD, None) or getattr(request, ACKED_FIELD, False):
+    handoff = handoff_of(request)
+    if handoff is None or not handoff.ack_in_pool or request.is_eager or request.called_directly:
         return
-    if request.is_eager or request.called_directly:
+    notes = noted(request)
+    if notes is not None and notes.acknowledged:
         return
     leases = tool.runtime.leases
     ack = leases.broker_ack(request.properties)
     if ack is None:
         return
-    setattr(request, ACKED_FIELD, True)
+    notes_of(request).acknowledged = True
     try:
         leases.acknowledge(ack)
     except redis.RedisError as exc:

@@ -57,39 +57,25 @@ from ..errors import (
     TaskRevokedWhileRunning,
 )
 from ..events import AuditEvent
+from ..states import DeadLetterReason, JournalState
 from ..store import states
-from ..store.dead_letters import DeadLetterReason
 from ..store.envelope import MessageEnvelope
 from ..store.runtime import ToolRuntime, runtime_for
-from ..store.states import Ending, JournalState
-from .attempt import (
-    ACK_FIELD,
-    FORGED_FIELD,
-    TOKEN_FIELD,
-    Attempt,
-    forged_headers,
-    new_token,
-)
+from ..store.states import Ending
+from .attempt import Attempt, forged_headers, new_token
 from .execution import reconciler
 from .faults import crash_point
-from .letters import (
-    PENDING_LETTER_FIELD,
+from .handoff import (
+    HANDOFF_FIELD,
+    Handoff,
     PendingLetter,
-    begin_dead_letter,
-    build_letter,
-    finish_dead_letter,
+    exception_info,
+    take_letter,
 )
-from .strategy import check_request, request_built
+from .letters import begin_dead_letter, build_letter, dead_lettered, finish_dead_letter
+from .strategy import check_request, mark_built
 
 logger = logging.getLogger(__name__)
-
-def exception_info(exc: BaseException) -> ExceptionInfo:
-    """Billiard's ExceptionInfo of ``exc`` (with its traceback), as Celery's
-    failure handlers take it."""
-    try:
-        raise exc
-    except BaseException:
-        return ExceptionInfo()
 
 
 class ToolRequest(Request):  # type: ignore[misc]
@@ -107,26 +93,24 @@ class ToolRequest(Request):  # type: ignore[misc]
                 f"unreadable task message: {type(exc).__name__}: {exc}"
             ) from exc
         check_request(self._request_dict, self._payload)
-        request_built(message)
-        self._tooleffect_token = new_token()
+        mark_built(message)
         self._tooleffect_done = False
         self._tooleffect_failure_class: str | None = None
         #: Set when a dead letter's result is the tool's own error: the
         #: ``task-failed`` event still says it is a dead letter.
         self._tooleffect_dead_letter_reason: str | None = None
-        # Computed before our own fields are added: any tooleffect_* header
-        # other than the run id came from the producer and is refused.
-        forged = forged_headers(self._request_dict)
-        self._request_dict[TOKEN_FIELD] = self._tooleffect_token
-        self._request_dict[FORGED_FIELD] = forged
-        #: On success the pool process acknowledges the message, with the
-        #: call's outcome when it can (the broker is the store's Redis): see
-        #: :meth:`acknowledge`.
-        self._tooleffect_ack_in_pool = (
-            self.runtime.leases.broker_ack(message.properties) is not None)
-        if self._tooleffect_ack_in_pool:
-            self._request_dict[ACK_FIELD] = "1"
         self._tooleffect_succeeded = False
+        # What the pool process gets with the request (worker/handoff.py). The
+        # forged headers are looked for before it is added: any tooleffect_*
+        # header other than those a producer may set came from the producer
+        # and is refused. On success the pool process acknowledges the
+        # message, with the call's outcome when it can (the broker is the
+        # store's Redis): see acknowledge().
+        self.handoff = Handoff(
+            token=new_token(),
+            forged=tuple(forged_headers(self._request_dict)),
+            ack_in_pool=self.runtime.leases.broker_ack(message.properties) is not None,
+        )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -144,6 +128,17 @@ class ToolRequest(Request):  # type: ignore[misc]
         cls.on_success = on_success
 
     @property
+    def handoff(self) -> Handoff:
+        """What this process hands the pool process with the request: one key of
+        the request dict, which the pool process receives."""
+        handoff: Handoff = self._request_dict[HANDOFF_FIELD]
+        return handoff
+
+    @handoff.setter
+    def handoff(self, handoff: Handoff) -> None:
+        self._request_dict[HANDOFF_FIELD] = handoff
+
+    @property
     def runtime(self) -> ToolRuntime:
         return runtime_for(self._app or self.task.app)
 
@@ -156,7 +151,7 @@ class ToolRequest(Request):  # type: ignore[misc]
             effect=getattr(self.task, "tool_effect", ToolEffect.NON_IDEMPOTENT_WRITE),
             delivery_info=self.delivery_info,
             default_queue=self.runtime.settings.default_queue,
-            token=self._tooleffect_token,
+            token=self.handoff.token,
             retries=int(fields.get("retries") or 0),
         )
 
@@ -202,28 +197,12 @@ class ToolRequest(Request):  # type: ignore[misc]
         )
         if lost_child or isinstance(exc, TimeLimitExceeded):
             return self._on_interrupted(exc)
-        # A tool decided a dead letter whose result is its own error: Celery's
-        # tracer stored and reported that error in the pool process, as for
-        # any task; the letter rode here on the ExceptionInfo. Store it (the
-        # message is here), then end as Celery ends a failure: rejected
-        # without requeue (acks_on_failure is False on a tool).
-        pending = exc_info.__dict__.pop(PENDING_LETTER_FIELD, None)
-        if isinstance(pending, PendingLetter):
-            if not self._store_decided_letter(pending):
-                return None
-            self._tooleffect_failure_class = pending.letter.failure_class
-            self._tooleffect_dead_letter_reason = pending.letter.reason
-            exc_info.exception = exc
-            return super().on_failure(exc_info, send_failed_event=send_failed_event,
-                                      return_ok=return_ok)
-        # A tool decided a dead letter of the package's own: the rejection
-        # carries it; the message is here: store it.
-        decided = isinstance(exc, DeadLettered) and exc.pending_letter is not None
-        if decided:
-            pending, exc.pending_letter = exc.pending_letter, None
-            if not self._store_decided_letter(pending):
-                return None
-        if decided and exc.keep_result:
+        # A dead letter the tool decided: the message is here, store it
+        # (worker/handoff.py says how the letter came).
+        pending = take_letter(exc_info, exc)
+        if pending is not None and not self._store_decided_letter(pending):
+            return None
+        if pending is not None and pending.keep_result:
             # A call-id conflict: the task id's result is another call's, and
             # Celery's failure handler would overwrite it (mark_as_failure).
             self._tooleffect_done = True
@@ -231,6 +210,16 @@ class ToolRequest(Request):  # type: ignore[misc]
             self.send_event("task-rejected", requeue=False)
             self.reject(requeue=False)
             return None
+        if pending is not None and not isinstance(exc, DeadLettered):
+            # Its result is the tool's own error: Celery's tracer stored and
+            # reported it in the pool process, as for any task. End as Celery
+            # ends a failure: rejected without requeue (acks_on_failure is
+            # False on a tool).
+            self._tooleffect_failure_class = pending.letter.failure_class
+            self._tooleffect_dead_letter_reason = pending.letter.reason
+            exc_info.exception = exc
+            return super().on_failure(exc_info, send_failed_event=send_failed_event,
+                                      return_ok=return_ok)
         if not isinstance(exc, (Reject, Retry, Ignore, Terminated, MemoryError)):
             # Every ending a tool decides is a Retry, a Reject or an Ignore:
             # this failure came from outside its decisions (the result backend
@@ -255,8 +244,8 @@ class ToolRequest(Request):  # type: ignore[misc]
         # acknowledged. Here, not in on_success: Celery's create_request_cls
         # replaces on_success with a copy that acknowledges by this method.
         crash_point("before_ack", self.name)
-        if self._tooleffect_succeeded and self._tooleffect_ack_in_pool:
-            # The pool process acknowledged it (ACK_FIELD): with the outcome's
+        if self._tooleffect_succeeded and self.handoff.ack_in_pool:
+            # The pool process acknowledged it (ack_in_pool): with the outcome's
             # script, or alone after the result was stored. Only kombu's
             # bookkeeping in this process is left.
             self._forget_delivery()
@@ -464,18 +453,15 @@ class ToolRequest(Request):  # type: ignore[misc]
         journalled = attempt.effect.is_write
         try:
             # Both steps here: this process holds the message.
-            rejection = begin_dead_letter(
-                runtime, attempt, letter, outcome_event=event, owned=owned, exc=exc,
-                journalled=journalled,
-            )
+            begin_dead_letter(runtime, attempt, letter, outcome_event=event, owned=owned,
+                              journalled=journalled)
             finish_dead_letter(runtime, attempt, letter, journalled=journalled)
         except (StoreUnavailable, LeaseLost) as kept:
             logger.error("%s[%s] not dead-lettered (%s), keeping the message: %s",
                          self.name, self.id, reason.value, kept)
             return None
-        rejection.pending_letter = None
         self._tooleffect_failure_class = failure_class.value
-        return rejection
+        return dead_lettered(letter, exc)
 
     def _store_decided_letter(self, pending: PendingLetter) -> bool:
         """Store the letter a tool decided, with this message; False when it could

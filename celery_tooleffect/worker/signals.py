@@ -13,12 +13,11 @@ In the pool process it also hands a dead letter the tool decided to the
 worker's main process: Celery stores the failure on the result backend
 *before* this signal fires, and returns the ``ExceptionInfo`` it is given
 to the main process after it, so the letter rides there and never reaches
-the backend.
+the backend (see :mod:`celery_tooleffect.worker.handoff`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -26,8 +25,9 @@ from celery.signals import task_failure
 
 from ..errors import DeadLettered
 from ..store.audit import StepContext, worker_identity
+from ..store.runtime import runtime_for
 from .attempt import queue_name, resolve_run_id
-from .letters import PENDING_LETTER_FIELD
+from .handoff import send_letter
 
 logger = logging.getLogger(__name__)
 
@@ -49,20 +49,14 @@ def classify_reported_failure(
     """Log the class of a tool's reported failure; audit it if nobody did.
 
     In the pool process, a dead letter the tool decided with its own error
-    as Celery's result waits on the request: it is moved onto ``einfo``, the
-    ``ExceptionInfo`` Celery's tracer returns to the worker's main process
-    (after the result backend stored the error; so it never reaches it)."""
+    as Celery's result waits in the attempt's notes: it is moved onto
+    ``einfo``, the ``ExceptionInfo`` Celery's tracer returns to the worker's
+    main process (after the result backend stored the error; so it never
+    reaches it)."""
     effect = getattr(sender, "tool_effect", None)
     if effect is None or exception is None or task_id is None:
         return
-    request = getattr(sender, "request", None)
-    pending = request.__dict__.pop(PENDING_LETTER_FIELD, None) if request is not None else None
-    if pending is not None and einfo is not None:
-        einfo.__dict__[PENDING_LETTER_FIELD] = pending
-        with contextlib.suppress(Exception):  # audited by the tool already
-            setattr(exception, AUDITED_MARK, True)
-    from ..store.runtime import runtime_for
-
+    decided = einfo is not None and send_letter(getattr(sender, "request", None), einfo)
     try:
         runtime = runtime_for(sender.app)
         failure_class = runtime.classifier.classify(exception)
@@ -70,8 +64,9 @@ def classify_reported_failure(
             "tool %s[%s] failed: failure_class=%s exception=%s",
             sender.name, task_id, failure_class.value, type(exception).__name__,
         )
-        if isinstance(exception, DeadLettered) or getattr(exception, AUDITED_MARK, False):
-            return
+        if (decided or isinstance(exception, DeadLettered)
+                or getattr(exception, AUDITED_MARK, False)):
+            return  # the tool audited how it ended
         fields = vars(sender.request)
         context = StepContext(
             run_id=resolve_run_id(fields, task_id),

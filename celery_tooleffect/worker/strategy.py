@@ -23,7 +23,6 @@ either check raises ``InvalidTaskError``, which Celery's consumer hands to
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,31 +35,34 @@ from .attempt import RUN_ID_HEADER
 #: Headers Celery reads that must be text when present (None is allowed).
 _TEXT_HEADERS = ("id", "task", "shadow", "root_id", "parent_id", "group", RUN_ID_HEADER)
 
-_built = threading.local()
+#: The attribute ``ToolRequest`` sets on the kombu message it was built from,
+#: once built and checked (kombu's ``Message`` keeps a ``__dict__`` for such).
+BUILT_MARK = "_tooleffect_request_built"
 
 
-def request_built(message: Any) -> None:
-    """Called by ``ToolRequest`` once it is built and checked for ``message``."""
-    _built.message = message
+def mark_built(message: Any) -> None:
+    """Called by ``ToolRequest`` once it is built and checked for ``message``:
+    an error :func:`tool_strategy` meets after this is not about its shape."""
+    setattr(message, BUILT_MARK, True)
 
 
 def tool_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     """Celery's default strategy, whose shape errors become ``InvalidTaskError``.
 
     Only errors raised before the request was built are converted (an error
-    after that is not about the message's shape, and is left to Celery).
+    after that is not about the message's shape, and is left to Celery): the
+    request marks its message once built (:func:`mark_built`).
     """
     handler = default(task, app, consumer, **kwargs)
 
     def tool_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                              **options: Any) -> Any:
-        _built.message = None
         try:
             return handler(message, body, ack, reject, callbacks, **options)
         except (InvalidTaskError, ContentDisallowed, DecodeError):
             raise
         except Exception as exc:
-            if getattr(_built, "message", None) is message:
+            if getattr(message, BUILT_MARK, False):
                 raise
             raise InvalidTaskError(
                 f"unreadable task message: {type(exc).__name__}: {exc}"

@@ -168,9 +168,7 @@ def dlq_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
                          ("not decoded", letter.get("decode_error")),
                          ("headers", message.get("headers")),
                          ("properties", message.get("properties")),
-                         ("body (base64)", message.get("body_base64")),
-                         ("options (version 1 letter)", letter.get("options")),
-                         ("raw body (version 1 letter)", letter.get("raw_body"))):
+                         ("body (base64)", message.get("body_base64"))):
         if value in (None, "", [], {}):
             continue
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,

@@ -23,8 +23,8 @@ from flower.views import BaseHandler
 from tornado import web
 from tornado.web import url
 
+from ...states import ApprovalState
 from ...store.approvals import Approval
-from ...store.states import ApprovalState
 from ..approvals import ApprovalListing, Approvals
 from ..filters import approval_state
 from ..operations import STORE, ActionResult, Outcome

@@ -13,11 +13,11 @@ from celery.app.task import Context
 from ...errors import StoreUnavailable
 from ...events import AuditEvent
 from ...reconciliation import ReconcileStatus, Reconciliation
+from ...states import DeadLetterReason, JournalState
 from ...store import states
 from ...store.audit import describe_payload
-from ...store.dead_letters import DeadLetter, DeadLetterQuery, DeadLetterReason
+from ...store.dead_letters import DeadLetter, DeadLetterQuery
 from ...store.journal import JournalRef
-from ...store.states import JournalState
 from ...worker.execution import ask, reconciler
 from .replay import Replaying
 from .results import ActionResult, Outcome

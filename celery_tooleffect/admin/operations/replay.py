@@ -13,14 +13,16 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ...effect import ToolEffect
-from ...errors import StoreUnavailable, ToolEffectError
+
+# ChordEnded was defined here: still importable from here (see errors.py).
+from ...errors import ChordEnded as ChordEnded
+from ...errors import StoreUnavailable
 from ...events import AuditEvent
+from ...states import JournalState
 from ...store import states
 from ...store.chords import chord_member, chord_refusal
 from ...store.dead_letters import DeadLetter, DeadLetterQuery
 from ...store.journal import JournalRef, ReplayRequest
-from ...store.states import JournalState
-from ...worker.attempt import RUN_ID_HEADER
 from ...worker.republish import republish
 from .base import OperationsBase
 from .results import ActionResult, Outcome
@@ -45,41 +47,19 @@ class _ReplayStep:
     request: ReplayRequest | None
 
 
-class ChordEnded(ToolEffectError):
-    """The chord of a replayed member ended meanwhile; the replay is refused."""
-
-
 def publish(app: Celery, letter: DeadLetter, *, mark: str) -> None:
     """Publish ``letter``'s message again, as :meth:`MessageEnvelope.replayed` says:
     the same bytes, headers and properties, to the same exchange and routing key,
     with ``retries`` 0, no ``eta`` or ``expires``, and the replay ``mark``.
 
     The app's queue of that name is declared first when the app knows it.
-    A letter of envelope version 1 (no message kept) is published as it
-    always was: a new message with its name, arguments, run id and options.
+    Raises ``ValueError`` for a letter that keeps no message (envelope version
+    1), which :func:`~.rules.replay_refusal` refuses before.
     """
     if letter.message is None:
-        _publish_version_1(app, letter)
-        return
+        raise ValueError(f"{letter_label(letter)} keeps no message to publish "
+                         f"(envelope version {letter.version})")
     republish(app, letter.message.replayed(mark), letter.queue)
-
-
-def _publish_version_1(app: Celery, letter: DeadLetter) -> None:
-    options = letter.v1_options
-    extra: dict[str, Any] = {}
-    for name in ("root_id", "parent_id", "priority"):
-        if options.get(name) is not None:
-            extra[name] = options[name]
-    app.send_task(
-        letter.name,
-        args=list(letter.v1_args),
-        kwargs=dict(letter.v1_kwargs),
-        task_id=letter.task_id,
-        queue=letter.queue,
-        headers={RUN_ID_HEADER: letter_run_id(letter)},
-        retries=0,
-        **extra,
-    )
 
 
 class Replaying(OperationsBase):

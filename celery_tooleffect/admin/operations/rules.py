@@ -5,8 +5,8 @@ letter's effect and run id as the actions take them."""
 from __future__ import annotations
 
 from ...effect import ToolEffect
-from ...store.dead_letters import DeadLetter, DeadLetterReason
-from ...store.states import JournalState
+from ...states import DeadLetterReason, JournalState
+from ...store.dead_letters import DeadLetter
 from ...worker.attempt import RUN_ID_HEADER
 
 
@@ -34,9 +34,12 @@ def replay_refusal(
     """
     label = letter_label(letter)
     effect = letter_effect(letter)
-    if not letter.name or (
-        letter.message is None and letter.reason == DeadLetterReason.UNDECODABLE_MESSAGE.value
-    ):
+    if letter.message is None:
+        return (
+            f"{label} cannot be replayed: it keeps no message (envelope version "
+            f"{letter.version}, written by a development build); purge it once handled"
+        )
+    if not letter.name:
         return (
             f"{label} cannot be replayed: its message names no task that could be "
             "published (the body is kept in the dead letter); purge it once handled"

@@ -1,0 +1,104 @@
+"""The states and reasons a user of the package compares against, in one place,
+as Celery's ``celery/states.py`` names a task's states.
+
+- :class:`JournalState`: where a write's journal entry stands
+  (:meth:`Journal.read <celery_tooleffect.store.journal.Journal.read>`,
+  ``celery tooleffect dlq show``);
+- :class:`ApprovalState`: where a call that needs a person's approval stands
+  (:class:`~celery_tooleffect.store.approvals.Approval`, ``Approvals``);
+- :class:`DeadLetterReason`: why a task is a dead letter
+  (:class:`~celery_tooleffect.store.dead_letters.DeadLetter`, the
+  ``dead_letter_reason`` of a ``task-failed`` event).
+
+Each is a string enum: a member equals its value (``JournalState.SUCCEEDED ==
+"succeeded"``), which is what Redis, the CLI's ``--json`` and the events hold,
+and ``coerce`` reads a value back. How an entry or an approval may move from
+one state to another, and the diagrams, are
+:mod:`celery_tooleffect.store.states`.
+
+Two other vocabularies stay beside what they describe:
+:class:`~celery_tooleffect.failures.FailureClass` (why a call failed) with its
+classifier, and :class:`~celery_tooleffect.reconciliation.ReconcileStatus` with
+:class:`~celery_tooleffect.reconciliation.Reconciliation`, the answer it is
+the status of.
+"""
+
+from __future__ import annotations
+
+from .choices import Choice
+
+__all__ = ["ApprovalState", "DeadLetterReason", "JournalState"]
+
+
+class JournalState(Choice):
+    """Where a write's journal entry stands."""
+
+    __choice_name__ = "a journal state"
+
+    #: No entry (never written, expired, or lost with the store).
+    ABSENT = "absent"
+    #: An attempt owns the entry (under its owner token and lease) and may be
+    #: running the body.
+    RUNNING = "running"
+    #: The write's outcome is recorded: a later delivery is acknowledged
+    #: without running.
+    SUCCEEDED = "succeeded"
+    #: An attempt failed and its retry is published.
+    RETRY_SCHEDULED = "retry_scheduled"
+    #: An interactive run failed (queued runs retry or are dead-lettered).
+    FAILED = "failed"
+    #: Its attempt stopped without an outcome (worker lost, lease lapsed).
+    INTERRUPTED = "interrupted"
+    #: A dead letter is decided and not stored yet (the next delivery finishes it).
+    DEAD_LETTERING = "dead_lettering"
+    #: The task is a dead letter: it runs again only if an operator replays it.
+    DEAD_LETTERED = "dead_lettered"
+    #: An operator replayed the dead letter; its message is published again.
+    REPLAYED = "replayed"
+    #: Revoked or expired before its body started; never runs.
+    NOT_RUN = "not_run"
+
+
+class ApprovalState(Choice):
+    """Where a call that needs approval stands."""
+
+    __choice_name__ = "an approval state"
+
+    #: Never parked (or its record expired).
+    ABSENT = "absent"
+    #: Parked: waiting for a person to approve or reject it.
+    PENDING = "pending"
+    #: Approved: every delivery of its task id runs under the journal's rules.
+    APPROVED = "approved"
+    #: Rejected by a person: the call ends FAILURE (``ApprovalRejected``), nothing ran.
+    REJECTED = "rejected"
+    #: Not decided within ``tooleffect_approval_timeout``: rejected as expired.
+    EXPIRED = "expired"
+    #: A rejected or expired call that a worker ended FAILURE (``ApprovalRejected``).
+    ENDED = "ended"
+
+
+class DeadLetterReason(Choice):
+    """Why a task was dead-lettered."""
+
+    __choice_name__ = "a dead-letter reason"
+
+    #: It failed with an error of a class that is never retried.
+    NOT_RETRYABLE = "not_retryable"
+    #: It kept failing (or being interrupted) until its retry budget was spent.
+    RETRIES_EXHAUSTED = "retries_exhausted"
+    #: A NON_IDEMPOTENT_WRITE started and never finished: never run twice.
+    INTERRUPTED_WRITE = "interrupted_write"
+    #: ``revoke(terminate=True)`` stopped the write while its body ran.
+    REVOKED = "revoked"
+    #: The worker that took it knows no task of its name (or it has no name).
+    UNKNOWN_TASK = "unknown_task"
+    #: Its body could not be decoded, or its content type is not accepted.
+    UNDECODABLE_MESSAGE = "undecodable_message"
+    #: Its headers or body have a shape Celery cannot run, a ``tooleffect_*``
+    #: header a producer may not set, or arguments the tool cannot take.
+    MALFORMED_MESSAGE = "malformed_message"
+    #: Its task id belongs to another call (another tool or other arguments);
+    #: kept under its own id (:func:`~celery_tooleffect.store.dead_letters.conflict_letter_id`),
+    #: never replayed.
+    CALL_ID_CONFLICT = "call_id_conflict"
