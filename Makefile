@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint bench celery-suite
+.PHONY: install demo test test-unit test-fast lint bench celery-suite
 
 # Create .venv and install the package with its dev extra.
 install:
@@ -23,23 +23,34 @@ demo: $(INSTALLED)
 
 # pytest-xdist: the independent tests side by side. The one place these options
 # live (.ci/run reads this line). The tests mostly wait on real processes, so
-# more workers than cores pay off: -n 4 ran the 486 tests in 503 s on 2 cores
-# (-n 6 was no faster, and flakier). `--dist loadgroup`
+# more workers than cores pay off: -n 4 ran about 600 tests in about 11.5
+# minutes on 2 cores (-n 6 was no faster, and flakier). `--dist loadgroup`
 # keeps the tests of one xdist_group on one worker (see tests/conftest.py).
 # A single test runs without them: .venv/bin/python -m pytest tests/test_x.py::test_y
 PARALLEL ?= -n 4 --dist loadgroup
 
-# The test command (needs a Redis at 127.0.0.1:6379 and a RabbitMQ at
-# 127.0.0.1:5672): every test (about 30 minutes on 2 cores one at a time,
-# about 9 minutes with PARALLEL), then the tests that run alone.
+# The test command: every test (about 11.5 minutes with PARALLEL on 2 cores),
+# then the tests that run alone. Needs a Redis at 127.0.0.1:6379
+# (TOOLEFFECT_TEST_REDIS_URL names another), redis-server on PATH, a RabbitMQ
+# at 127.0.0.1:5672 with rabbitmqctl (the RabbitMQ tests are skipped, saying
+# why, without them), root and iproute2 (the partition test) and Chromium with
+# chromedriver (the Flower page tests). README.md, "On a fresh machine".
 test: $(INSTALLED)
 	$(BIN)/python -m pytest -q $(PARALLEL) -m "not alone"
 	$(BIN)/python -m pytest -q -m alone
 
+# The service-free layer (tests/unit/): the decision logic in-process, with
+# no Redis, RabbitMQ or process of its own, in seconds (a test there that
+# tries to connect anywhere fails). `make test` runs it too.
+test-unit: $(INSTALLED)
+	$(BIN)/python -m pytest -q tests/unit
+
 # Everything but the slow tests (> ~15 s each), the store fault scenarios
-# (tests/faults/), the browser tests and the Redis Cluster tests.
+# (tests/faults/), the browser, Redis Cluster and RabbitMQ tests: needs a
+# Redis (TOOLEFFECT_TEST_REDIS_URL, default 127.0.0.1:6379) and redis-server
+# on PATH, nothing else.
 test-fast: $(INSTALLED)
-	$(BIN)/python -m pytest -q $(PARALLEL) -m "not slow and not faults and not browser and not cluster"
+	$(BIN)/python -m pytest -q $(PARALLEL) -m "not slow and not faults and not browser and not cluster and not rabbitmq"
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

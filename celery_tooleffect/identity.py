@@ -52,13 +52,28 @@ def checked_id(value: Any, what: str) -> str:
     return value
 
 
+def joined(*parts: str) -> str:
+    """The parts of a derived id as one text that no other parts give.
+
+    Parts without a newline are joined by newlines, as every release has done,
+    so the ids of those parts never change (a resend after an upgrade is the
+    same call). Parts of which one holds a newline would be ambiguous so
+    (``"b\\nc", "a"`` and ``"c", "a\\nb"`` give one text): they are written
+    as a JSON array after a mark instead, which holds no newline, so it never
+    equals a joined text, and equals another only for the same parts.
+    """
+    if not any("\n" in part for part in parts):
+        return "\n".join(parts)
+    return "\x00json:" + json.dumps(list(parts))
+
+
 def call_task_id(call_id: str, run_id: str = "") -> str:
     """The task id of the agent's tool call ``call_id`` in run ``run_id``.
 
     The same for the same pair, whoever computes it and however often, and
     different for another pair: a UUID (version 5), as Celery's ids are UUIDs.
     """
-    return str(uuid.uuid5(NAMESPACE, f"call\n{run_id}\n{call_id}"))
+    return str(uuid.uuid5(NAMESPACE, joined("call", run_id, call_id)))
 
 
 def child_task_id(parent_task_id: str, child: str, key: str) -> str:
@@ -68,7 +83,7 @@ def child_task_id(parent_task_id: str, child: str, key: str) -> str:
     attempt of the parent (``"#1"``, ``"#2"`` ...) or the step key the body
     gave it (``"@charge"``).
     """
-    return str(uuid.uuid5(NAMESPACE, f"child\n{parent_task_id}\n{child}\n{key}"))
+    return str(uuid.uuid5(NAMESPACE, joined("child", parent_task_id, child, key)))
 
 
 def call_digest(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:

@@ -3,26 +3,44 @@
 Every key a test writes lives under its own prefix (broker, result backend,
 journal, audit, dead letters and side-effect counters alike), so tests can run
 side by side and clean up only what they created.
+
+The suite uses only the servers it starts or is given: the Redis of
+``TOOLEFFECT_TEST_REDIS_URL`` (default 127.0.0.1:6379), RabbitMQ virtual hosts
+it makes on the RabbitMQ of ``TOOLEFFECT_TEST_RABBITMQ_URL``, and servers a
+test starts itself. Two guards hold it to that (see "the machine's servers"
+below): no app of the suite falls back to a default server (the package's
+store of a RabbitMQ app that names none is refused, in every process that
+imports this module: the tests and every app they spawn), and when the suite
+is given another Redis, the one on 127.0.0.1:6379 is checked after each test,
+and at the end of the session, for keys of the test's prefix.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from kombu.utils.url import url_to_parts
 
+from celery_tooleffect import settings as package_settings
+from celery_tooleffect import testing
+from celery_tooleffect.endpoints import is_redis_family, resolve
+from celery_tooleffect.errors import ConfigurationError
 from celery_tooleffect.store.dead_letters import DeadLetters
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
@@ -34,7 +52,6 @@ from celery_tooleffect.testing import (
     REDIS_URL,
     RedisServer,
     WorkerProcess,
-    app_config,
     delete_keys,
     free_port,
     redis_server,
@@ -45,9 +62,11 @@ from celery_tooleffect.testing import (
 
 __all__ = [
     "FAULT_LINE",
+    "RABBITMQ_URL",
     "REDIS_URL",
     "TESTS",
     "Counter",
+    "DefaultServerRefused",
     "RedisServer",
     "WorkerProcess",
     "app_config",
@@ -58,11 +77,180 @@ __all__ = [
     "redis_server",
     "redis_server_binary",
     "running_worker",
+    "spawned_setting",
     "start_celery_worker",
     "wait_for",
 ]
 
 TESTS = Path(__file__).parent
+
+
+# -- the machine's servers: the suite uses those it started or was given, no other ---
+
+
+class DefaultServerRefused(RuntimeError):
+    """An app of the suite would reach a server nobody named: a default one."""
+
+
+#: The Redis a machine may run for its own use, and where the package's store
+#: of an app whose broker is not Redis and that names no store would be.
+MACHINE_REDIS = ("127.0.0.1", 6379)
+#: The package's fallback store (:data:`celery_tooleffect.settings.DEFAULT_STORE_URL`),
+#: as it was before the suite refused it below (tests/unit asserts it).
+PACKAGE_DEFAULT_STORE_URL = package_settings.DEFAULT_STORE_URL
+#: What the fallback store becomes in every process that imports this module:
+#: the tests, and every app they spawn (tests/apps/ import it). It is not a
+#: Redis URL, so an app that would fall back to it is refused when its
+#: settings are read (a ConfigurationError that says this) instead of
+#: writing into whatever Redis answers on 127.0.0.1:6379. The settings read
+#: the module's global each time (settings._read), so this replaces it.
+REFUSED_DEFAULT_STORE = (
+    "refused://the test suite refuses the package's default store (127.0.0.1:6379): an app "
+    "of the suite whose broker is not Redis names its store (tooleffect_redis_url)"
+)
+package_settings.DEFAULT_STORE_URL = REFUSED_DEFAULT_STORE
+
+
+def app_config(prefix: str, **overrides: Any) -> dict[str, Any]:
+    """The suite's Celery settings (:func:`celery_tooleffect.testing.app_config`),
+    refused when they would reach a server nobody named (:func:`refuse_defaults`)."""
+    conf = testing.app_config(prefix, **overrides)
+    refuse_defaults(conf)
+    return conf
+
+
+def refuse_defaults(conf: Mapping[str, Any]) -> None:
+    """Refuse Celery settings that leave a server to a default: no broker
+    (Celery's is ``amqp://guest@localhost//``), a broker that is not Redis
+    without ``tooleffect_redis_url`` (the package's store would then be
+    127.0.0.1:6379), a RabbitMQ broker on its default virtual host."""
+    broker = str(conf.get("broker_url") or "")
+    if not broker:
+        raise DefaultServerRefused("no broker_url: Celery's default broker is nobody's")
+    if is_redis_family(broker):
+        return
+    if not conf.get("tooleffect_redis_url"):
+        raise DefaultServerRefused(
+            f"broker {broker.split('://', 1)[0]}:// and no tooleffect_redis_url: the package's "
+            "store would be 127.0.0.1:6379, a server the test did not name "
+            "(on_broker() names the suite's Redis)")
+    if broker.split("://", 1)[0] in ("amqp", "amqps", "pyamqp") and (
+            url_to_parts(broker).path or "/") == "/":
+        raise DefaultServerRefused(
+            "a RabbitMQ broker on the default virtual host: a test has a virtual host of its "
+            "own (the rabbitmq_url fixture)")
+
+
+def spawned_setting(name: str) -> str:
+    """``os.environ[name]`` in an app the suite spawns (tests/apps/): the server
+    it names is never left to a default; refused when unset."""
+    value = os.environ.get(name)
+    if not value:
+        raise DefaultServerRefused(
+            f"{name} is not set: the tests name every server an app they spawn uses")
+    return value
+
+
+def _machine_redis_is_the_suites() -> bool:
+    """Whether the suite's Redis (:data:`REDIS_URL`) is the one on 127.0.0.1:6379."""
+    try:
+        endpoint = resolve(REDIS_URL, setting="TOOLEFFECT_TEST_REDIS_URL")
+    except ConfigurationError:
+        return False  # a form only the tests that use it can tell: checked as another
+    options = endpoint.options
+    return (not endpoint.behind_sentinel and not options.get("path")
+            and str(options.get("host") or "127.0.0.1") in ("127.0.0.1", "localhost")
+            and int(options.get("port") or 6379) == MACHINE_REDIS[1])
+
+
+#: A client of the machine's Redis when the suite was given another Redis and
+#: it answers (else None); found at the first check, once per process.
+_machine_redis: list[redis.Redis | None] = []
+
+
+def machine_redis() -> redis.Redis | None:
+    if not _machine_redis:
+        client: redis.Redis | None = None
+        if not _machine_redis_is_the_suites():
+            client = redis.Redis(*MACHINE_REDIS, socket_timeout=5, socket_connect_timeout=1)
+            try:
+                client.ping()
+            except (redis.RedisError, OSError):
+                client.close()
+                client = None
+        _machine_redis.append(client)
+    return _machine_redis[0]
+
+
+def keys_on_the_machine_redis(pattern: str) -> list[tuple[int, bytes]]:
+    """The keys matching ``pattern`` in every database of the machine's Redis
+    (none when it is the suite's, or does not answer): (db, key) pairs."""
+    client = machine_redis()
+    if client is None:
+        return []
+    found: list[tuple[int, bytes]] = []
+    try:
+        databases = [int(name[2:]) for name in client.info("keyspace")]
+        for db in databases:
+            with redis.Redis(*MACHINE_REDIS, db=db, socket_timeout=5) as each:
+                found.extend((db, key) for key in each.scan_iter(match=pattern, count=1000))
+    except redis.RedisError:
+        return found  # it went away: nothing more to find
+    return found
+
+
+def refuse_keys_on_the_machine_redis(prefix: str) -> None:
+    """Fail the test when a key of its ``prefix`` is in the machine's Redis
+    although the suite was given another one; the keys are deleted first
+    (they are the test's own)."""
+    leaked = keys_on_the_machine_redis(f"{prefix}*")
+    if not leaked:
+        return
+    _delete_on_the_machine_redis(leaked)
+    shown = ", ".join(f"db{db} {key.decode(errors='replace')}" for db, key in leaked[:8])
+    pytest.fail(
+        f"{len(leaked)} key(s) of this test's prefix were written to the Redis on "
+        f"127.0.0.1:6379, which the suite was not given (TOOLEFFECT_TEST_REDIS_URL="
+        f"{REDIS_URL}): {shown}{' ...' if len(leaked) > 8 else ''} (deleted). "
+        "Something the test started fell back to a default server.", pytrace=False)
+
+
+def _delete_on_the_machine_redis(keys: list[tuple[int, bytes]]) -> None:
+    """Delete keys a test left in the machine's Redis (they are the test's own)."""
+    for db in sorted({db for db, _ in keys}):
+        with redis.Redis(*MACHINE_REDIS, db=db, socket_timeout=5) as each:
+            each.delete(*[key for key_db, key in keys if key_db == db])
+
+
+#: The ``user_properties`` name of a test's key prefix (the ``prefix``
+#: fixture), which reaches the xdist controller with the test's report.
+PREFIX_PROPERTY = "tooleffect test prefix"
+#: The prefixes of the session's tests (all workers'), for the session's check.
+_PREFIXES: set[str] = set()
+#: What the session's check found (printed in the summary).
+_LEAKED_AT_THE_END: list[str] = []
+#: The RabbitMQ tests that were skipped (all workers'): a failure under CI.
+_SKIPPED_ON_RABBITMQ: list[str] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The session's checks, run once, by the xdist controller (or the only
+    process): no key of any of its tests' prefixes is left in the machine's
+    Redis when the suite was given another one (what a process of a test
+    wrote after that test ended); under :data:`REQUIRE_RABBITMQ` (CI), no
+    test marked ``rabbitmq`` was skipped, whatever skipped it."""
+    if hasattr(session.config, "workerinput"):
+        return
+    if REQUIRE_RABBITMQ and _SKIPPED_ON_RABBITMQ:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if not _PREFIXES:
+        return
+    leaked = [(db, key) for db, key in keys_on_the_machine_redis("tetest:*")
+              if ":".join(key.decode(errors="replace").split(":")[:2]) + ":" in _PREFIXES]
+    if leaked:
+        _LEAKED_AT_THE_END.extend(f"db{db} {key.decode(errors='replace')}" for db, key in leaked)
+        _delete_on_the_machine_redis(leaked)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # -- markers (registered in pyproject.toml; `make test-fast` deselects them) ---------
@@ -126,7 +314,8 @@ ALONE = (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark by where a test is: tests/faults/ ``faults``, test_cluster.py
     ``cluster``, a test that drives a browser (the ``browser`` fixture of
-    test_flower.py) ``browser``, the tests of :data:`SLOW` ``slow``."""
+    test_flower.py) ``browser``, the tests of :data:`SLOW` ``slow``, a test
+    on RabbitMQ (:func:`_on_rabbitmq`) ``rabbitmq``."""
     faults = TESTS / "faults"
     for item in items:
         path = Path(item.path)
@@ -140,12 +329,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if any(_names(item.nodeid, alone) for alone in ALONE):
             item.add_marker(pytest.mark.alone)
+        if _on_rabbitmq(item):
+            item.add_marker(pytest.mark.rabbitmq)
     if hasattr(config, "workerinput"):
         # An xdist worker (every worker sorts alike: they must collect the same
         # order). The longest tests first, so that the 5-minute example
         # matrix does not start last and leave the other workers idle at the
         # end (longest-first scheduling); the rest keep their order.
         items.sort(key=lambda item: -_seconds(item.nodeid))
+
+
+def _on_rabbitmq(item: pytest.Item) -> bool:
+    """Whether ``item`` needs RabbitMQ: it asks for ``rabbitmq_url``, or is
+    the ``rabbitmq`` parameter of a test on both brokers (``broker_url``)."""
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    return ("rabbitmq_url" in getattr(item, "fixturenames", ())
+            or any(isinstance(value, str) and value == "rabbitmq" for value in params.values()))
 
 
 def _seconds(nodeid: str) -> float:
@@ -164,19 +364,40 @@ _FAULT_LINES: list[str] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Keep a test's fault summary lines; its teardown report holds them all.
-    Under xdist this runs in the controller too, with the workers' reports."""
+    """Keep a test's fault summary lines and its key prefix; its teardown report
+    holds them all. Under xdist this runs in the controller too, with the
+    workers' reports."""
     if report.when == "teardown":
         _FAULT_LINES.extend(str(value) for name, value in report.user_properties
                             if name == FAULT_LINE)
+        _PREFIXES.update(str(value) for name, value in report.user_properties
+                         if name == PREFIX_PROPERTY)
+    if report.skipped and "rabbitmq" in report.keywords:
+        _SKIPPED_ON_RABBITMQ.append(report.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """The fault scenarios' summary lines, repeated at the end of the session."""
+    """The fault scenarios' summary lines, repeated at the end of the session,
+    and what the session's check of the machine's Redis found."""
     if _FAULT_LINES and not hasattr(config, "workerinput"):  # not in an xdist worker
         terminalreporter.section("fault scenarios")
         for line in _FAULT_LINES:
             terminalreporter.write_line(line)
+    if REQUIRE_RABBITMQ and _SKIPPED_ON_RABBITMQ and not hasattr(config, "workerinput"):
+        terminalreporter.section("RabbitMQ tests skipped", red=True)
+        terminalreporter.write_line(
+            f"{len(_SKIPPED_ON_RABBITMQ)} RabbitMQ test(s) were skipped although "
+            "TOOLEFFECT_TEST_REQUIRE_RABBITMQ is set (CI must run them): a failure")
+        for nodeid in _SKIPPED_ON_RABBITMQ[:50]:
+            terminalreporter.write_line(f"  {nodeid}")
+    if _LEAKED_AT_THE_END:
+        terminalreporter.section("keys left in a Redis the suite was not given", red=True)
+        terminalreporter.write_line(
+            f"{len(_LEAKED_AT_THE_END)} key(s) of this session's tests are in the Redis on "
+            f"127.0.0.1:6379 (TOOLEFFECT_TEST_REDIS_URL={REDIS_URL}), written after their "
+            "test ended (deleted):")
+        for line in _LEAKED_AT_THE_END[:50]:
+            terminalreporter.write_line(f"  {line}")
 
 
 def _names(nodeid: str, entry: str) -> bool:
@@ -207,7 +428,61 @@ def second_redis() -> Iterator[RedisServer]:
         yield server
 
 
+#: The RabbitMQ of the RabbitMQ tests; each makes a virtual host of its own there.
 RABBITMQ_URL = os.environ.get("TOOLEFFECT_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672")
+#: The command that manages that RabbitMQ's virtual hosts: the machine's
+#: ``rabbitmqctl``, or ``TOOLEFFECT_TEST_RABBITMQCTL`` (``docker exec rabbit rabbitmqctl``).
+RABBITMQCTL = shlex.split(os.environ.get("TOOLEFFECT_TEST_RABBITMQCTL") or "rabbitmqctl")
+#: Set by CI (.ci/run): a RabbitMQ test that cannot run fails instead of
+#: being skipped, so that CI never passes without them.
+REQUIRE_RABBITMQ = os.environ.get("TOOLEFFECT_TEST_REQUIRE_RABBITMQ", "") not in ("", "0")
+#: Why RabbitMQ tests cannot run in this process ([] before the first asks,
+#: [None] when they can): asked once, so that a missing RabbitMQ costs one probe.
+_rabbitmq_state: list[str | None] = []
+
+
+def rabbitmq_unavailable() -> str | None:
+    """Why the RabbitMQ tests cannot run here, or None: ``rabbitmqctl`` is
+    missing, or nothing answers at :data:`RABBITMQ_URL`'s address."""
+    if not _rabbitmq_state:
+        parts = url_to_parts(RABBITMQ_URL)
+        host, port = parts.hostname or "127.0.0.1", int(parts.port or 5672)
+        why: str | None = None
+        if shutil.which(RABBITMQCTL[0]) is None:
+            why = (f"{RABBITMQCTL[0]} is not installed: each RabbitMQ test makes a virtual "
+                   "host of its own with it (TOOLEFFECT_TEST_RABBITMQCTL names another command)")
+        else:
+            try:
+                socket.create_connection((host, port), timeout=3).close()
+            except OSError as exc:
+                why = (f"no RabbitMQ answers at {host}:{port} ({exc}; "
+                       "TOOLEFFECT_TEST_RABBITMQ_URL names another)")
+        _rabbitmq_state.append(why)
+    return _rabbitmq_state[0]
+
+
+def no_rabbitmq(why: str) -> NoReturn:
+    """Skip the test that needs RabbitMQ, saying why; fail it when
+    :data:`REQUIRE_RABBITMQ` (CI)."""
+    message = f"RabbitMQ unavailable: {why}"
+    if REQUIRE_RABBITMQ:
+        pytest.fail(f"{message} (TOOLEFFECT_TEST_REQUIRE_RABBITMQ is set: the RabbitMQ tests "
+                    "must run)", pytrace=False)
+    pytest.skip(message)
+
+
+def rabbitmqctl(*arguments: str) -> str | None:
+    """Run ``rabbitmqctl -q <arguments>``: None, or why it failed."""
+    command = [*RABBITMQCTL, "-q", *arguments]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{shlex.join(command)}: {exc}"
+    if done.returncode == 0:
+        return None
+    said = (done.stderr or done.stdout).strip().splitlines()
+    return (f"{shlex.join(command)} failed (exit code {done.returncode}): "
+            f"{said[-1] if said else 'no output'}")
 
 
 def rabbitmq_queues(queue_type: str = "classic", delivery_limit: int = 0) -> dict[str, Any]:
@@ -257,22 +532,35 @@ def rabbitmq_url() -> Iterator[str]:
     """A RabbitMQ virtual host of this test's own (deleted afterwards), as a broker URL.
 
     Made with ``rabbitmqctl`` on the machine's RabbitMQ, so that no queue,
-    message or consumer of another test is ever seen.
+    message or consumer of another test is ever seen. Without ``rabbitmqctl``
+    or a RabbitMQ, the test is skipped, saying why (failed under CI:
+    :data:`REQUIRE_RABBITMQ`).
     """
+    why = rabbitmq_unavailable()
+    if why is not None:
+        no_rabbitmq(why)
+    user = url_to_parts(RABBITMQ_URL).username or "guest"
     vhost = f"te-{uuid.uuid4().hex[:12]}"
-    subprocess.run(["rabbitmqctl", "-q", "add_vhost", vhost], check=True, timeout=60)
-    subprocess.run(["rabbitmqctl", "-q", "set_permissions", "-p", vhost, "guest",
-                    ".*", ".*", ".*"], check=True, timeout=60)
-    yield f"{RABBITMQ_URL}/{vhost}"
-    subprocess.run(["rabbitmqctl", "-q", "delete_vhost", vhost], check=False, timeout=60)
+    failed = rabbitmqctl("add_vhost", vhost) or rabbitmqctl(
+        "set_permissions", "-p", vhost, user, ".*", ".*", ".*")
+    if failed is not None:
+        rabbitmqctl("delete_vhost", vhost)
+        _rabbitmq_state[:] = [failed]  # the next tests skip without waiting for it again
+        no_rabbitmq(failed)
+    yield f"{RABBITMQ_URL.rstrip('/')}/{vhost}"
+    rabbitmqctl("delete_vhost", vhost)
 
 
 @pytest.fixture
-def prefix() -> Iterator[str]:
-    """A key prefix of this test's own; its keys are deleted afterwards."""
+def prefix(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards. The
+    test fails if a key of it is in a Redis the suite was not given
+    (:func:`refuse_keys_on_the_machine_redis`)."""
     value = f"tetest:{uuid.uuid4().hex[:12]}:"
+    request.node.user_properties.append((PREFIX_PROPERTY, value))
     yield value
     delete_keys(REDIS_URL, value)
+    refuse_keys_on_the_machine_redis(value)
 
 
 @pytest.fixture
@@ -357,15 +645,18 @@ def spawn_worker(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerPr
               store_url: str | None = None, broker_url: str | None = None,
               **env: str) -> WorkerProcess:
         # Side-effect counters stay on the main Redis whichever broker is used;
-        # on RabbitMQ the journal heartbeat is short (as in ``on_broker``).
-        if broker_url and not broker_url.startswith("redis"):
+        # on RabbitMQ the store is named (the suite's Redis, as in ``on_broker``:
+        # left unnamed, it would be the package's default, 127.0.0.1:6379) and
+        # the journal heartbeat is short.
+        broker = broker_url or REDIS_URL
+        if not is_redis_family(broker):
             env.setdefault("TE_HEARTBEAT", "0.5")
+            store_url = store_url or REDIS_URL
         worker = start_celery_worker(
             "tests.apps.tool_app", tmp_path / f"worker-{len(started)}.log",
             concurrency=concurrency, name=f"w{len(started)}", root=TESTS.parent,
-            env=dict(TE_PREFIX=prefix, TE_BROKER=broker_url or REDIS_URL,
-                     TE_COUNTERS=REDIS_URL, TE_VT=str(visibility_timeout),
-                     TE_STORE=store_url or "", **env),
+            env=dict(TE_PREFIX=prefix, TE_BROKER=broker, TE_COUNTERS=REDIS_URL,
+                     TE_VT=str(visibility_timeout), TE_STORE=store_url or "", **env),
         )
         started.append(worker)
         return worker

@@ -20,7 +20,14 @@ from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.states import Verdict
 from celery_tooleffect.worker.attempt import Attempt
 from celery_tooleffect.worker.startup import run_checks
-from tests.conftest import Counter, WorkerProcess, running_worker, wait_for
+from tests.conftest import (
+    RABBITMQ_URL,
+    REDIS_URL,
+    Counter,
+    WorkerProcess,
+    running_worker,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -225,7 +232,8 @@ def test_worker_refuses_a_backoff_cap_beyond_the_visibility_timeout(
 def test_worker_refuses_a_deadline_beyond_rabbitmq_consumer_timeout(
     make_app: Callable[..., Celery]
 ) -> None:
-    app = make_app(broker_url="amqp://guest:guest@127.0.0.1:5672//",
+    # Never connected to: the start-up checks refuse it first.
+    app = make_app(broker_url=f"{RABBITMQ_URL}/te-never-connected", tooleffect_redis_url=REDIS_URL,
                    tooleffect_rabbitmq_consumer_timeout=60)
     app.task(base=ToolTask, name="tools.x", shared=False, operation_deadline=120,
              effect=ToolEffect.NON_IDEMPOTENT_WRITE)(noop)

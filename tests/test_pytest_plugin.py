@@ -146,6 +146,8 @@ def test_the_plugin_works_beside_celerys_own_fixtures(
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("BESIDE_PREFIX", prefix)  # deleted by the prefix fixture
+    # Celery's own app (memory:// broker) names its store: never the default one.
+    monkeypatch.setenv("BESIDE_REDIS_URL", REDIS_URL)
     pytester.makepyfile(test_beside=BESIDE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q",
                                            f"--tooleffect-redis-url={REDIS_URL}",
@@ -166,6 +168,7 @@ pytest_plugins = ["celery_tooleffect.pytest_plugin", "celery.contrib.pytest"]
 @pytest.fixture(scope="session")
 def celery_config():
     return {"broker_url": "memory://", "result_backend": "cache+memory://",
+            "tooleffect_redis_url": os.environ["BESIDE_REDIS_URL"],
             "tooleffect_key_prefix": os.environ["BESIDE_PREFIX"] + "te:"}
 
 

@@ -35,7 +35,8 @@ def test_tools_on_a_quorum_queue_with_a_delivery_limit_above_the_budget(
     that ends it as a dead letter, before RabbitMQ's limit would drop it."""
     quorum = {"TE_QUEUE_TYPE": "quorum", "TE_DELIVERY_LIMIT": "10", "TE_HEARTBEAT": "0.5"}
     app = make_app(broker_url=rabbitmq_url, result_backend=REDIS_URL,
-                   tooleffect_heartbeat_interval=0.5, tooleffect_max_retries=3,
+                   tooleffect_redis_url=REDIS_URL, tooleffect_heartbeat_interval=0.5,
+                   tooleffect_max_retries=3,
                    **rabbitmq_queues("quorum", delivery_limit=10))
     worker = spawn_worker(broker_url=rabbitmq_url, **quorum)
     ids = {tool: app.send_task(tool, args=[tool, 0.0], queue="tools").id

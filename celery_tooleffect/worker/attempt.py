@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..effect import ToolEffect
+from ..identity import joined
 from ..store.audit import StepContext, worker_identity
 from ..store.envelope import REPLAY_HEADER
 from ..store.journal import JournalRef
@@ -172,5 +173,5 @@ def idempotency_key(run_id: str, task_id: str) -> str:
     """A task's idempotency key: the same for every delivery, retry and replay
     of the task, different for another task (or the same task id in another
     run). SHA-256 of the run id and the task id, 32 hex digits."""
-    digest = hashlib.sha256(f"{run_id}\n{task_id}".encode("utf-8", "replace"))
+    digest = hashlib.sha256(joined(run_id, task_id).encode("utf-8", "replace"))
     return digest.hexdigest()[:32]

@@ -275,15 +275,11 @@ class Execution:
         except (Ignore, Reject):
             raise
         except Exception as exc:
+            # The failed outcome is audited once, by the ending _after_failure
+            # decides (a retry, a dead letter, or raised when interactive).
             failure_class = runtime.classifier.classify(exc)
-            runtime.audit.record_step(
-                attempt.context.event(
-                    "outcome", "failed", attempt=number, duration_ms=_ms_since(started),
-                    exception=exc, failure_class=failure_class.value,
-                    payload=self._payload(error=exc),
-                )
-            )
-            raise self._after_failure(exc, failure_class, number)
+            raise self._after_failure(exc, failure_class, number,
+                                      duration_ms=_ms_since(started))
         # Celery's result rides in the audit append when the result backend is
         # the store's Redis (worker/results.py); a read's audit is fail-soft,
         # so when the append fails the result is left to Celery.
@@ -728,11 +724,16 @@ class Execution:
         is in the journal (not durable enough to run over), so it is settled."""
         attempt = self.attempt
         journalled = attempt.effect.is_write and (body_started or intent_recorded)
+        # A read keeps no journal: its failed body is audited here, once (a
+        # dead letter's own step records it when that is the ending).
+        audit_read = not attempt.effect.is_write and body_started
         outcome = attempt.context.event(
             "outcome", "failed", attempt=number, duration_ms=duration_ms, exception=exc,
             failure_class=failure_class.value, payload=self._payload(error=exc),
         )
         if attempt.interactive:
+            if audit_read:
+                self.runtime.audit.record_step(outcome)
             if journalled:
                 # A non-idempotent write that failed may have written: it is
                 # not run again under its id (a tool called in a tool's body,
@@ -760,6 +761,8 @@ class Execution:
             body_started=body_started,
         )
         if decision.retry:
+            if audit_read:
+                self.runtime.audit.record_step(outcome)
             if journalled:
                 retrying = outcome.amended(status="retrying", countdown=decision.countdown)
                 try:

@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import ToolEffect, ToolTask
-from tests.conftest import REDIS_URL, app_config, on_broker
+from tests.conftest import REDIS_URL, app_config, on_broker, spawned_setting
 
 VISIBILITY_TIMEOUT = 6
 
@@ -132,4 +132,4 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
 
 
 if os.environ.get("TE_PREFIX"):
-    app = build(os.environ["TE_PREFIX"], broker_url=os.environ.get("TE_BROKER") or REDIS_URL)
+    app = build(os.environ["TE_PREFIX"], broker_url=spawned_setting("TE_BROKER"))

@@ -21,7 +21,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import ToolEffect, ToolTask
-from tests.conftest import REDIS_URL, app_config, on_broker
+from tests.conftest import REDIS_URL, app_config, on_broker, spawned_setting
 
 EFFECTS = {effect.value: effect for effect in ToolEffect}
 
@@ -156,5 +156,5 @@ def build(prefix: str, *, broker_url: str = REDIS_URL, refused: bool = False) ->
 
 
 if os.environ.get("TE_PREFIX"):
-    app = build(os.environ["TE_PREFIX"], broker_url=os.environ.get("TE_BROKER") or REDIS_URL,
+    app = build(os.environ["TE_PREFIX"], broker_url=spawned_setting("TE_BROKER"),
                 refused=os.environ.get("TE_REFUSED") == "1")

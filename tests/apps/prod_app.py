@@ -22,9 +22,9 @@ from pathlib import Path
 from celery import Celery
 
 from celery_tooleffect import ToolEffect, ToolTask
-from tests.conftest import app_config
+from tests.conftest import app_config, spawned_setting
 
-PREFIX = os.environ["TE_PREFIX"]
+PREFIX = spawned_setting("TE_PREFIX")
 RUNS = Path(os.environ["TE_RUNS"])
 
 
@@ -35,8 +35,8 @@ def _json(name: str) -> dict[str, object]:
 app = Celery("prod_app")
 app.conf.update(app_config(
     PREFIX,
-    broker_url=os.environ["TE_BROKER"],
-    result_backend=os.environ["TE_BACKEND"],
+    broker_url=spawned_setting("TE_BROKER"),
+    result_backend=spawned_setting("TE_BACKEND"),
     broker_transport_options={
         "global_keyprefix": PREFIX, "visibility_timeout": float(os.environ.get("TE_VT", "30")),
         # kombu sweeps unacked messages every interval * throttle seconds.

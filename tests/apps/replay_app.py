@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import ToolEffect, ToolTask
-from tests.conftest import REDIS_URL, app_config, on_broker
+from tests.conftest import REDIS_URL, app_config, on_broker, spawned_setting
 
 ALL_CONTENT = ["json", "msgpack", "yaml", "pickle"]
 
@@ -120,7 +120,7 @@ def build(prefix: str, *, broker_url: str = REDIS_URL, accept: list[str] | None 
 if "TE_PREFIX" in os.environ:
     app = build(
         os.environ["TE_PREFIX"],
-        broker_url=os.environ.get("TE_BROKER") or REDIS_URL,
+        broker_url=spawned_setting("TE_BROKER"),
         accept=[name for name in os.environ.get("TE_ACCEPT", "").split(",") if name] or None,
         with_late=os.environ.get("TE_WITHOUT_LATE") != "1",
     )

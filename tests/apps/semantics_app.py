@@ -10,7 +10,6 @@ they received in ``<prefix>errbacks``.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import redis
@@ -18,10 +17,10 @@ from celery import Celery
 from celery.signals import task_failure
 
 from celery_tooleffect import ToolEffect
-from tests.conftest import REDIS_URL, app_config, on_broker
+from tests.conftest import REDIS_URL, app_config, on_broker, spawned_setting
 
-PREFIX = os.environ["TE_PREFIX"]
-BROKER = os.environ.get("TE_BROKER") or REDIS_URL
+PREFIX = spawned_setting("TE_PREFIX")
+BROKER = spawned_setting("TE_BROKER")
 
 app = Celery("semantics_app", task_cls="celery_tooleffect:ToolTask")
 app.conf.update(app_config(PREFIX, **on_broker(PREFIX, BROKER), worker_hijack_root_logger=True))

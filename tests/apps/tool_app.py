@@ -2,8 +2,10 @@
 
 Configured from the environment by ``spawn_worker`` in conftest: TE_PREFIX
 (every key of the test), TE_BROKER, TE_VT (visibility timeout), TE_STORE
-(optional separate audit store), TE_COUNTERS (the Redis of the side-effect
-counters and, on a RabbitMQ broker, of the results; default the broker),
+(a store of its own: ``tooleffect_redis_url``), TE_COUNTERS (the Redis of the
+side-effect counters and, on a RabbitMQ broker, of the results and, without
+TE_STORE, of the store; default the broker, required on RabbitMQ: no server
+is ever left to a default, tests/conftest.py ``refuse_defaults``),
 TE_SOCKET_TIMEOUT, TE_HEARTBEAT (``tooleffect_heartbeat_interval``),
 TE_QUEUE_TYPE and TE_DELIVERY_LIMIT (a RabbitMQ quorum queue),
 TE_BROKER_HEARTBEAT (``broker_heartbeat``), TE_CONSUMER_TIMEOUT
@@ -32,10 +34,13 @@ from celery_tooleffect import (
     ToolTask,
     approval_requested,
 )
-from tests.conftest import REDIS_URL, app_config, rabbitmq_queues
+from celery_tooleffect.endpoints import is_redis_family
+from tests.conftest import app_config, rabbitmq_queues, spawned_setting
 
-PREFIX = os.environ["TE_PREFIX"]
-BROKER = os.environ["TE_BROKER"]
+PREFIX = spawned_setting("TE_PREFIX")
+BROKER = spawned_setting("TE_BROKER")
+#: The test's Redis: the broker (a redis:// one), else the one TE_COUNTERS names.
+REDIS = BROKER if BROKER.startswith("redis") else spawned_setting("TE_COUNTERS")
 
 app = Celery("tool_app")
 app.conf.update(
@@ -43,8 +48,7 @@ app.conf.update(
         PREFIX,
         broker_url=BROKER,
         # Results on Redis whichever broker is used (Celery has no AMQP backend).
-        result_backend=BROKER if BROKER.startswith("redis") else (
-            os.environ.get("TE_COUNTERS") or REDIS_URL),
+        result_backend=REDIS,
         broker_transport_options={
             "global_keyprefix": PREFIX,
             "visibility_timeout": float(os.environ.get("TE_VT", "60")),
@@ -58,7 +62,10 @@ app.conf.update(
             # BUSY. The kill-heavy tests want it back within seconds.
             "unacked_mutex_expire": 10,
         },
-        tooleffect_redis_url=os.environ.get("TE_STORE") or None,
+        # On RabbitMQ the store is always named (else the package's default
+        # would be 127.0.0.1:6379); on Redis it follows the broker.
+        tooleffect_redis_url=os.environ.get("TE_STORE") or (
+            None if is_redis_family(BROKER) else REDIS),
         tooleffect_max_retries=int(os.environ.get("TE_MAX_RETRIES", "3")),
         tooleffect_socket_timeout=float(os.environ.get("TE_SOCKET_TIMEOUT", "2.0")),
         tooleffect_heartbeat_interval=float(os.environ.get("TE_HEARTBEAT") or 0) or None,
@@ -73,7 +80,7 @@ app.conf.update(
 )
 app.conf.update(rabbitmq_queues(os.environ.get("TE_QUEUE_TYPE") or "classic",
                                 int(os.environ.get("TE_DELIVERY_LIMIT") or 0)))
-counters = redis.Redis.from_url(os.environ.get("TE_COUNTERS") or BROKER)
+counters = redis.Redis.from_url(os.environ.get("TE_COUNTERS") or REDIS)
 
 
 def hold_and_count(key: str, hold: float) -> str:

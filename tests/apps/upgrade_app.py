@@ -28,10 +28,10 @@ from celery import Celery
 
 from celery_tooleffect import ToolEffect, ToolTask
 from celery_tooleffect.worker.startup import DeclaredEffects
-from tests.conftest import app_config, on_broker
+from tests.conftest import app_config, on_broker, spawned_setting
 
-PREFIX = os.environ["TE_PREFIX"]
-BROKER = os.environ["TE_BROKER"]
+PREFIX = spawned_setting("TE_PREFIX")
+BROKER = spawned_setting("TE_BROKER")
 RELEASE = os.environ["TE_RELEASE"]
 RUNS = Path(os.environ.get("TE_RUNS") or os.devnull)
 EFFECT = {"1": ToolEffect.READ_ONLY, "2": ToolEffect.NON_IDEMPOTENT_WRITE}[RELEASE]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -47,9 +48,20 @@ def namespace() -> Iterator[Namespace]:
         yield made
 
 
-def port_of(url: str, default: int) -> int:
-    netloc = url.split("//", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
-    return int(netloc.rsplit(":", 1)[1]) if ":" in netloc else default
+def proxy_to(url: str, default_port: int, listen_host: str) -> TcpProxy:
+    """A started proxy, listening on ``listen_host``, to the server ``url`` names."""
+    parts = urlsplit(url)
+    return TcpProxy(parts.port or default_port, listen_host=listen_host,
+                    upstream_host=parts.hostname or "127.0.0.1").start()
+
+
+def through(url: str, proxy: TcpProxy) -> str:
+    """``url`` (its credentials, database or virtual host kept) through ``proxy``."""
+    parts = urlsplit(url)
+    credentials = parts.netloc.rpartition("@")[0]
+    netloc = f"{credentials}@{proxy.host}:{proxy.port}" if credentials else (
+        f"{proxy.host}:{proxy.port}")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def test_a_partitioned_owner_never_runs_its_write_twice(
@@ -59,22 +71,22 @@ def test_a_partitioned_owner_never_runs_its_write_twice(
 ) -> None:
     rabbitmq = broker_url.startswith("amqp")
     app = make_app(**on_broker(prefix, broker_url, visibility_timeout=3.0))
-    store = TcpProxy(port_of(REDIS_URL, 6379), listen_host=namespace.host_ip).start()
+    store = proxy_to(REDIS_URL, 6379, namespace.host_ip)
     proxies = [store]
     if rabbitmq:
-        amqp = TcpProxy(port_of(broker_url, 5672), listen_host=namespace.host_ip).start()
+        amqp = proxy_to(broker_url, 5672, namespace.host_ip)
         proxies.append(amqp)
-        vhost = broker_url.rsplit("/", 1)[1]
-        partitioned_broker = f"amqp://guest:guest@{namespace.host_ip}:{amqp.port}/{vhost}"
+        partitioned_broker = through(broker_url, amqp)
     else:
-        partitioned_broker = store.url()
+        partitioned_broker = through(REDIS_URL, store)
     owner: WorkerProcess | None = None
     try:
         owner = start_celery_worker(
             "tests.apps.tool_app", tmp_path / "partitioned.log",  # type: ignore[operator]
             name="partitioned", wrap=namespace.inside(), root=TESTS.parent,
-            env=dict(TE_PREFIX=prefix, TE_BROKER=partitioned_broker, TE_COUNTERS=store.url(),
-                     TE_STORE=store.url(), TE_VT="3", TE_HEARTBEAT="0.5" if rabbitmq else "",
+            env=dict(TE_PREFIX=prefix, TE_BROKER=partitioned_broker,
+                     TE_COUNTERS=through(REDIS_URL, store), TE_STORE=through(REDIS_URL, store),
+                     TE_VT="3", TE_HEARTBEAT="0.5" if rabbitmq else "",
                      TE_BROKER_HEARTBEAT="2"),
         )
         key = uuid.uuid4().hex[:8]

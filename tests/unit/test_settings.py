@@ -1,0 +1,238 @@
+"""Settings resolution (celery_tooleffect/settings.py): where the store is,
+the defaults, and every refusal, read from a Celery app that is never
+connected."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from typing import Any
+
+import pytest
+from celery import Celery
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from celery_tooleffect import settings as package_settings
+from celery_tooleffect.errors import ConfigurationError
+from celery_tooleffect.settings import (
+    DEFAULTS,
+    PRIVACY_LEVELS,
+    Settings,
+    atomic_fetch_enabled,
+    default_release,
+    refuse_unknown_settings,
+    settings_for,
+)
+from tests.conftest import PACKAGE_DEFAULT_STORE_URL, REFUSED_DEFAULT_STORE
+from tests.unit.conftest import NOWHERE, app_with
+
+PROPERTIES = settings(max_examples=200, deadline=None, database=None)
+
+
+def test_the_defaults() -> None:
+    resolved = settings_for(app_with())
+    assert resolved.key_prefix == "tooleffect:"
+    assert (resolved.max_retries, resolved.backoff_base, resolved.backoff_cap) == (3, 30.0, 600.0)
+    assert resolved.privacy == "metadata"
+    assert resolved.retention == 7 * 24 * 3600
+    assert (resolved.run_stream_maxlen, resolved.global_stream_maxlen) == (10_000, 100_000)
+    assert resolved.socket_timeout == 5.0
+    assert resolved.heartbeat_interval is None
+    assert resolved.rabbitmq_consumer_timeout == 1800.0
+    assert resolved.reconcile_timeout == 30.0
+    assert resolved.approval_timeout == 24 * 3600.0
+    assert not resolved.allow_eviction and not resolved.redis_cluster
+    assert (resolved.store_replicas, resolved.store_fsync, resolved.store_wait_timeout) == (
+        0, False, 1.0)
+    assert resolved.atomic_fetch  # on by default on a Redis broker
+    assert resolved.visibility_timeout == 3600.0  # kombu's default
+    assert resolved.default_queue == "celery"
+    assert dict(resolved.failure_classes) == {}
+    # Every default is a key of DEFAULTS, and only those are known.
+    assert all(key.startswith("tooleffect_") for key in DEFAULTS)
+
+
+def test_settings_are_read_once_per_app() -> None:
+    app = app_with()
+    assert settings_for(app) is settings_for(app)
+    assert settings_for(app) is not settings_for(app_with())
+
+
+def test_the_store_follows_a_redis_broker() -> None:
+    resolved = settings_for(app_with(broker_url="redis://u:pw@h:1/4"))
+    assert resolved.broker_is_redis
+    assert resolved.redis_url == resolved.broker_url == resolved.dead_letter_url
+    assert resolved.store == resolved.broker_redis == resolved.dead_letter_store
+    assert resolved.store_endpoint.identity() == ("h", 1, 4, "u", "pw")
+
+
+def test_a_store_of_its_own_keeps_the_dead_letters_on_the_broker() -> None:
+    resolved = settings_for(app_with(broker_url="redis://b:1/0",
+                                     tooleffect_redis_url="redis://s:2/3"))
+    assert resolved.redis_url == "redis://s:2/3"
+    assert resolved.store_endpoint.identity() == ("s", 2, 3, "default", "")
+    # Dead letters live where the message is: the broker's Redis.
+    assert resolved.dead_letter_url == "redis://b:1/0"
+    assert resolved.dead_letter_endpoint.identity() == ("b", 1, 0, "default", "")
+
+
+def test_on_rabbitmq_a_named_store_keeps_the_dead_letters_too() -> None:
+    resolved = settings_for(app_with(broker_url="amqp://g@h/v",
+                                     tooleffect_redis_url="redis://s:2/3"))
+    assert not resolved.broker_is_redis and resolved.broker_redis is None
+    assert not resolved.atomic_fetch  # a Redis broker's fetch only
+    assert resolved.dead_letter_url == resolved.redis_url == "redis://s:2/3"
+    assert resolved.dead_letter_store == resolved.store
+
+
+def test_on_rabbitmq_without_a_store_the_package_takes_127_0_0_1_6379(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The package's documented default, asserted with the suite's guard
+    lifted: tests/conftest.py refuses it in every process of the suite."""
+    assert PACKAGE_DEFAULT_STORE_URL == "redis://127.0.0.1:6379/0"
+    monkeypatch.setattr(package_settings, "DEFAULT_STORE_URL", PACKAGE_DEFAULT_STORE_URL)
+    resolved = settings_for(app_with(broker_url="amqp://g@h/v"))
+    assert resolved.redis_url == resolved.dead_letter_url == "redis://127.0.0.1:6379/0"
+    assert resolved.store_endpoint.identity() == ("127.0.0.1", 6379, 0, "default", "")
+
+
+def test_the_suite_refuses_the_default_store_in_its_own_processes() -> None:
+    """The guard of tests/conftest.py: an app of the suite on RabbitMQ that
+    names no store is refused, naming the setting, instead of writing to
+    whatever Redis answers on 127.0.0.1:6379."""
+    assert package_settings.DEFAULT_STORE_URL == REFUSED_DEFAULT_STORE
+    with pytest.raises(ConfigurationError) as refused:
+        settings_for(app_with(broker_url="amqp://g@h/v"))
+    assert "tooleffect_redis_url" in str(refused.value)
+    assert "refuses the package's default store" in str(refused.value)
+
+
+@pytest.mark.parametrize(("conf", "said"), [
+    ({"tooleffect_max_retry": 3}, "unknown setting(s) tooleffect_max_retry"),
+    ({"tooleffect_effect": "read_only"}, "a tool's effect is declared in code"),
+    ({"tooleffect_privacy": "everything"}, "tooleffect_privacy must be one of"),
+    ({"tooleffect_redis_cluster": True}, "tooleffect_redis_cluster needs tooleffect_redis_url"),
+    ({"broker_url": "amqp://g@h/v", "tooleffect_redis_cluster": True,
+      "tooleffect_redis_url": "redis://h:1"}, "tooleffect_redis_cluster needs a Redis broker"),
+    ({"tooleffect_atomic_fetch": "yes"}, "tooleffect_atomic_fetch must be True or False"),
+    ({"tooleffect_store_replicas": -1}, "tooleffect_store_replicas must be a whole number"),
+    ({"tooleffect_store_replicas": True}, "tooleffect_store_replicas must be a whole number"),
+    ({"tooleffect_store_replicas": 1.5}, "tooleffect_store_replicas must be a whole number"),
+    ({"tooleffect_store_replicas": 1, "tooleffect_store_wait_timeout": 5},
+     "must be above 0 and below tooleffect_socket_timeout"),
+    ({"tooleffect_store_fsync": True, "tooleffect_store_wait_timeout": 0},
+     "must be above 0 and below tooleffect_socket_timeout"),
+    ({"tooleffect_redis_cluster": True, "tooleffect_redis_url": "redis://h:7000",
+      "tooleffect_store_replicas": 1}, "not supported on a Redis Cluster store"),
+    ({"tooleffect_redis_url": "http://h:1"}, "tooleffect_redis_url: http://h:1 is not a Redis"),
+    ({"broker_url": "redis://u:hunter2@h:x/0"}, "broker_url: redis://u:***@h:x/0"),
+])
+def test_a_setting_the_package_cannot_use_is_refused(conf: dict[str, Any], said: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        settings_for(app_with(**conf))
+    assert said in str(refused.value)
+    assert "hunter2" not in str(refused.value)
+
+
+def test_unknown_settings_are_found_in_any_case_and_known_ones_pass() -> None:
+    refuse_unknown_settings({**DEFAULTS, "TOOLEFFECT_MAX_RETRIES": 1, "broker_url": "x",
+                             3: "not text"})  # type: ignore[dict-item]
+    with pytest.raises(ConfigurationError, match="TOOLEFFECT_BOGUS, tooleffect_other"):
+        refuse_unknown_settings({"tooleffect_other": 1, "TOOLEFFECT_BOGUS": 2})
+
+
+def test_what_each_setting_becomes() -> None:
+    resolved = settings_for(app_with(
+        broker_transport_options={"visibility_timeout": 60, "global_keyprefix": "p:"},
+        task_default_queue="tools", tooleffect_key_prefix="x:", tooleffect_privacy="FULL",
+        tooleffect_heartbeat_interval=0.5, tooleffect_atomic_fetch=False,
+        tooleffect_max_retries="5", tooleffect_failure_classes={"a.B": "auth"},
+        tooleffect_release="2024.1", tooleffect_allow_eviction=1,
+    ))
+    assert resolved.visibility_timeout == 60.0
+    assert resolved.broker_transport_options["global_keyprefix"] == "p:"
+    assert resolved.default_queue == "tools"
+    assert resolved.key_prefix == "x:"
+    assert resolved.privacy == "full" and resolved.privacy in PRIVACY_LEVELS
+    assert resolved.heartbeat_interval == 0.5
+    assert not resolved.atomic_fetch
+    assert resolved.max_retries == 5
+    assert dict(resolved.failure_classes) == {"a.B": "auth"}
+    assert resolved.release == "2024.1"
+    assert resolved.allow_eviction is True
+    # A heartbeat interval of 0 is none.
+    assert settings_for(app_with(tooleffect_heartbeat_interval=0)).heartbeat_interval is None
+
+
+def test_a_store_behind_sentinel_waits_for_a_replica_by_default() -> None:
+    sentinel = {"broker_url": "sentinel://h:1/0", "broker_transport_options": {
+        "master_name": "m"}}
+    assert settings_for(app_with(**sentinel)).store_replicas == 1
+    assert settings_for(app_with(**sentinel, tooleffect_store_replicas=0)).store_replicas == 0
+    direct = settings_for(app_with(tooleffect_store_replicas=2, tooleffect_store_fsync=True,
+                                   tooleffect_socket_timeout=3, tooleffect_store_wait_timeout=2))
+    assert (direct.store_replicas, direct.store_fsync, direct.store_wait_timeout) == (2, True, 2.0)
+
+
+def test_atomic_fetch_is_on_unless_set_to_false() -> None:
+    assert atomic_fetch_enabled({})
+    assert atomic_fetch_enabled({"tooleffect_atomic_fetch": None})
+    assert atomic_fetch_enabled({"tooleffect_atomic_fetch": True})
+    assert not atomic_fetch_enabled({"tooleffect_atomic_fetch": False})
+    for value in (0, 1, "false", "True"):
+        with pytest.raises(ConfigurationError):
+            atomic_fetch_enabled({"tooleffect_atomic_fetch": value})
+
+
+@pytest.mark.parametrize(("main", "release"), [
+    ("celery_tooleffect.demo", importlib.metadata.version("celery-tooleffect")),
+    ("json.tools", __import__("json").__version__),  # no distribution: the module's version
+    ("no_such_package_here.tasks", ""),
+    ("__main__", ""),
+    (None, ""),
+])
+def test_the_default_release_is_the_app_s_distribution_version(
+        main: str | None, release: str) -> None:
+    app = Celery(main, set_as_current=False)
+    app.conf.broker_url = NOWHERE
+    assert default_release(app) == release
+    assert settings_for(app).release == release
+    app.conf.tooleffect_release = ""
+    assert default_release(app) == release  # the function ignores the setting
+
+
+def _base() -> Settings:
+    return settings_for(app_with())
+
+
+@PROPERTIES
+@given(base=st.floats(0.01, 100), cap=st.floats(0.01, 1000), retries=st.integers(0, 40))
+def test_backoff_doubles_up_to_its_cap(base: float, cap: float, retries: int) -> None:
+    policy = dataclasses.replace(_base(), backoff_base=base, backoff_cap=cap)
+    wait = policy.backoff(retries)
+    assert 0 < wait <= cap
+    assert wait == min(base * 2 ** retries, cap)
+    assert policy.backoff(retries + 1) >= wait  # never shorter
+
+
+@PROPERTIES
+@given(retention=st.integers(0, 10**7), visibility=st.floats(1, 10**5),
+       retries=st.integers(0, 20), cap=st.floats(0, 10**4), approval=st.floats(0, 10**6))
+def test_a_journal_entry_outlives_every_redelivery_of_its_message(
+        retention: int, visibility: float, retries: int, cap: float, approval: float) -> None:
+    resolved = dataclasses.replace(_base(), retention=retention, visibility_timeout=visibility,
+                                   max_retries=retries, backoff_cap=cap,
+                                   approval_timeout=approval)
+    ttl = resolved.journal_ttl
+    assert ttl >= retention
+    assert ttl >= int(visibility * (retries + 2) + cap * retries)
+    assert ttl == int(max(retention, visibility * (retries + 2) + cap * retries))
+    assert resolved.approval_ttl == int(approval) + ttl
+
+
+def test_hand_made_settings_resolve_their_endpoints_from_their_urls() -> None:
+    made = dataclasses.replace(_base(), store=None, dead_letter_store=None,
+                               redis_url="redis://s:2/1", dead_letter_url="redis://d:3/0")
+    assert made.store_endpoint.identity() == ("s", 2, 1, "default", "")
+    assert made.dead_letter_endpoint.identity() == ("d", 3, 0, "default", "")
