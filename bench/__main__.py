@@ -26,7 +26,8 @@ from typing import Any
 
 from celery import Celery
 
-from celery_tooleffect.testing import RedisServer, TcpProxy, redis_server
+from celery_tooleffect.testing import RedisServer, redis_server
+from tests.support import TcpProxy
 
 from .app import BASELINE, FETCH, IDLE_QUEUE, VARIANTS, config, latency_queue
 from .calls import (

@@ -51,8 +51,9 @@ from celery import Celery
 
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
-from celery_tooleffect.testing import WorkerProcess, app_config, start_celery_worker, wait_for
+from celery_tooleffect.testing import WorkerProcess, start_celery_worker, wait_for
 from chaos.crash_test import where_is
+from tests.support import app_config
 from tests.topologies import MASTER, SentinelSet, sentinel_set
 
 ROOT = Path(__file__).resolve().parent.parent

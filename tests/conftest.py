@@ -38,7 +38,6 @@ from celery.contrib.testing.worker import start_worker
 from kombu.utils.url import url_to_parts
 
 from celery_tooleffect import settings as package_settings
-from celery_tooleffect import testing
 from celery_tooleffect.endpoints import is_redis_family, resolve
 from celery_tooleffect.errors import ConfigurationError
 from celery_tooleffect.store.dead_letters import DeadLetters
@@ -46,10 +45,11 @@ from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.states import JournalState
 
-# The process helpers live in the package (the demo, bench/ and chaos/ use them
-# too); they are imported here so that tests keep ``from tests.conftest import``.
+# The process helpers live in the package (the demo and the pytest plugin use
+# them too), the suite's settings and TCP proxy in tests/support.py (bench/ and
+# chaos/ use them too); they are imported here so that tests keep
+# ``from tests.conftest import``.
 from celery_tooleffect.testing import (
-    REDIS_URL,
     RedisServer,
     WorkerProcess,
     delete_keys,
@@ -59,6 +59,8 @@ from celery_tooleffect.testing import (
     start_celery_worker,
     wait_for,
 )
+from tests import support
+from tests.support import REDIS_URL
 
 __all__ = [
     "FAULT_LINE",
@@ -112,9 +114,9 @@ package_settings.DEFAULT_STORE_URL = REFUSED_DEFAULT_STORE
 
 
 def app_config(prefix: str, **overrides: Any) -> dict[str, Any]:
-    """The suite's Celery settings (:func:`celery_tooleffect.testing.app_config`),
+    """The suite's Celery settings (:func:`tests.support.app_config`),
     refused when they would reach a server nobody named (:func:`refuse_defaults`)."""
-    conf = testing.app_config(prefix, **overrides)
+    conf = support.app_config(prefix, **overrides)
     refuse_defaults(conf)
     return conf
 
@@ -299,15 +301,19 @@ def pytest_configure(config: pytest.Config) -> None:
 #: .ci/run run ``-m "not alone"`` under xdist, then ``-m alone``): the
 #: Sentinels' failure detection and failover are timed (down after 1 s), and
 #: on a starved machine they promoted a replica that did not stay master.
-#: The other two race a worker's own steps, and failed now and then beside
+#: The others race a worker's own steps, and failed now and then beside
 #: three other xdist workers (a replay while its dead letter is still being
 #: ended lets the member's failure reach the chord; an outcome that cannot be
-#: stored met its redelivery before the worker had dead-lettered it).
+#: stored met its redelivery before the worker had dead-lettered it; the
+#: broker filled while the worker still waits out a busy lease, for at most
+#: 2 s, which a starved worker spent before the test filled it).
 ALONE = (
     "tests/faults/test_failover.py",
     "tests/test_replay.py::test_chord_member_replayed_while_its_chord_waits_completes_the_chord_once",
     "tests/test_rabbitmq.py::"
     "test_a_write_whose_outcome_cannot_be_stored_keeps_its_message_until_the_store_is_back",
+    "tests/test_deadline_paths.py::"
+    "test_a_lease_the_broker_cannot_extend_is_audited_and_the_message_kept",
 )
 
 

@@ -37,9 +37,9 @@ from celery_tooleffect.store.envelope import MessageEnvelope
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.states import JournalState
-from celery_tooleffect.testing import TcpProxy
 from tests.conftest import REDIS_URL, TESTS, Counter, running_worker, wait_for
 from tests.letters import letter_of_call
+from tests.support import TcpProxy
 
 WIDTH = 100
 NAMES = {

@@ -60,14 +60,13 @@ from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.lua import script
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.testing import (
-    TEST_FETCH,
     RedisServer,
     WorkerProcess,
-    app_config,
     redis_server,
     start_celery_worker,
     wait_for,
 )
+from tests.support import TEST_FETCH, app_config
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,6 +12,7 @@ not consume the task sent before it started.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -56,6 +57,9 @@ from tests.conftest import (
 
 pytestmark = pytest.mark.timeout(180)
 
+#: The repository (tests.support is imported by the app below).
+ROOT = Path(__file__).resolve().parent.parent
+
 APP = '''
 import os
 
@@ -63,7 +67,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import ToolEffect, ToolTask
-from celery_tooleffect.testing import REDIS_URL, app_config
+from tests.support import REDIS_URL, app_config
 from celery_tooleffect.worker import eviction
 
 PREFIX = os.environ["TE_PREFIX"]
@@ -103,7 +107,9 @@ def spawn(prefix: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]
         worker = start_celery_worker(
             "eviction_app", tmp_path / f"worker-{len(started)}.log", pool="prefork",
             concurrency=1, name="evict", wait=wait, root=tmp_path,
-            env={"TE_PREFIX": prefix, "TE_STORE": store.url, **env},
+            # The app imports tests.support: the repository is on its path too.
+            env={"TE_PREFIX": prefix, "TE_STORE": store.url,
+                 "PYTHONPATH": os.pathsep.join((str(tmp_path), str(ROOT))), **env},
         )
         started.append(worker)
         return worker

@@ -42,14 +42,13 @@ from celery_tooleffect.store.transport import (
 )
 from celery_tooleffect.testing import (
     RedisServer,
-    TcpProxy,
     WorkerProcess,
-    app_config,
     redis_server,
     start_celery_worker,
     wait_for,
 )
 from celery_tooleffect.worker.fetch import uses_atomic_fetch
+from tests.support import TcpProxy, app_config
 from tests.topologies import MASTER, sentinel_set
 
 TESTS = Path(__file__).parent

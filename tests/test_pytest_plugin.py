@@ -132,7 +132,7 @@ pytestmark = pytest.mark.tooleffect_app("tests.apps.plugin_app")
 
 
 def test_a_write_on_the_embedded_redis(tooleffect, tooleffect_redis_url):
-    from celery_tooleffect.testing import REDIS_URL
+    from tests.support import REDIS_URL
 
     print("REDIS", tooleffect_redis_url)
     assert tooleffect_redis_url != REDIS_URL  # a server the plugin started

@@ -38,11 +38,11 @@ from celery import Celery
 from celery_tooleffect.store.lua import script
 from celery_tooleffect.testing import (
     RedisServer,
-    app_config,
     redis_server,
     start_celery_worker,
     wait_for,
 )
+from tests.support import app_config
 
 ROOT = Path(__file__).resolve().parent.parent
 HANDSHAKE = {"HELLO", "CLIENT", "PING", "AUTH", "SELECT", "MONITOR", "ECHO", "INFO"}

@@ -25,15 +25,10 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters
-from celery_tooleffect.testing import (
-    REDIS_URL,
-    TcpProxy,
-    WorkerProcess,
-    start_celery_worker,
-    wait_for,
-)
+from celery_tooleffect.testing import WorkerProcess, start_celery_worker, wait_for
 from tests.conftest import TESTS, Counter, on_broker
 from tests.faults.netns import Namespace, namespaces_possible
+from tests.support import REDIS_URL, TcpProxy
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,6 +1,6 @@
 """The audit store answers slowly: later than ``tooleffect_socket_timeout``.
 
-The proxy (``celery_tooleffect.testing.TcpProxy``) delays every chunk by 1 s, both ways,
+The proxy (``tests.support.TcpProxy``) delays every chunk by 1 s, both ways,
 between a ``celery worker`` (prefork, ``tooleffect_socket_timeout`` 0.5 s) and
 the audit store. A command the worker gave up on still reaches the server and
 is applied there, after the worker has decided what its silence means: every
@@ -28,8 +28,9 @@ import redis
 from celery import Celery
 
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
-from celery_tooleffect.testing import RedisServer, TcpProxy, WorkerProcess, wait_for
+from celery_tooleffect.testing import RedisServer, WorkerProcess, wait_for
 from tests.faults.scenario import FaultRun, broker_holds, load_scripts
+from tests.support import TcpProxy
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,6 +1,6 @@
 """The audit store's connections are cut while scripts are in flight.
 
-A TCP proxy of the test's own (``celery_tooleffect.testing.TcpProxy``) sits between a
+A TCP proxy of the test's own (``tests.support.TcpProxy``) sits between a
 ``celery worker`` (prefork) and the audit store. A cut script is an ambiguous
 outcome for the worker: the server may have applied it and the answer was
 lost, or it never arrived. Two kinds of cut:
@@ -26,8 +26,9 @@ import redis
 from celery import Celery
 
 from celery_tooleffect.store.lua import script
-from celery_tooleffect.testing import RedisServer, TcpProxy, WorkerProcess, wait_for
+from celery_tooleffect.testing import RedisServer, WorkerProcess, wait_for
 from tests.faults.scenario import Call, FaultRun, load_scripts
+from tests.support import TcpProxy
 
 pytestmark = pytest.mark.timeout(180)
 
