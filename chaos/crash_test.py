@@ -43,8 +43,10 @@ the duplicates, ``lost`` broken down per tool, the dead letters by reason, how
 many interruptions reconciliation settled, the problems, how many messages
 were still queued when the last kill was made (above zero: tasks kept coming
 for the whole kill period) and how many kills found messages queued, and the
-duration; then every problem with its evidence. Short form (run by the test
-suite)::
+duration; then every problem with its evidence (where the task stands, the
+worker log lines naming it and when those logs end). The run's folder, printed
+first, keeps every worker's log and the kill log (``kills.txt``: when each
+kill was made, and of what). Short form (run by the test suite)::
 
     python -m chaos.crash_test --kills 10 --tasks 60
 
@@ -67,6 +69,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -75,6 +78,7 @@ import uuid
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import redis
@@ -106,8 +110,13 @@ FETCHES = ("atomic", "kombu")
 #: settle ends before its timeout (every message a worker holds, running,
 #: prefetched or waiting for a retry's countdown, is in ``unacked``).
 IDLE_SETTLED = 60.0
+#: The kill log in the run's log folder: when each kill was made, and of what
+#: (a lost task's evidence is read against it and the workers' logs).
+KILL_LOG = "kills.txt"
 #: At most this many worker log lines naming a task go into its evidence.
 LOG_LINES = 12
+#: The time stamp a worker's log line starts with.
+STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d [\d:,]+):", re.MULTILINE)
 
 
 @dataclass
@@ -215,12 +224,20 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
         # The store is the workers' (TE_COUNTERS): never the package's default.
         app.conf.tooleffect_redis_url = REDIS_URL
     logdir = Path(tempfile.mkdtemp(prefix="tooleffect-crash-"))
-    print(f"worker logs: {logdir}", file=sys.stderr)
+    print(f"worker logs and kill log: {logdir}", file=sys.stderr)
     summary = Summary(tasks=tasks, fetch=fetch if on_redis else "amqp")
     workers = [spawn(prefix, logdir, i, visibility_timeout, broker_url, fetch)
                for i in range(2)]
     spawned = 2
     submitted: dict[str, tuple[str, str]] = {}  # task id -> (tool, key)
+    kill_log = (logdir / KILL_LOG).open("a")
+
+    def note(text: str) -> None:
+        """One line of the kill log: the wall clock time (as the workers' logs
+        give it) and what was done."""
+        kill_log.write(f"{datetime.now():%Y-%m-%d %H:%M:%S,%f}"[:-3] + f" {text}\n")
+        kill_log.flush()
+
     try:
         for _ in range(tasks):
             name = rng.choice(names)
@@ -242,12 +259,17 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
             worker = workers[index]
             children = worker.children()
             if children and rng.random() < 0.6:
-                os.kill(rng.choice(children), signal.SIGKILL)
+                child = rng.choice(children)
+                note(f"kill {summary.kills + 1}: pool child {child} of {worker.log.name}")
+                os.kill(child, signal.SIGKILL)
                 summary.child_kills += 1
             else:
+                note(f"kill {summary.kills + 1}: whole worker {worker.log.name} "
+                     f"(pid {worker.process.pid})")
                 worker.kill()
                 workers[index] = spawn(prefix, logdir, spawned, visibility_timeout,
                                        broker_url, fetch)
+                note(f"started {workers[index].log.name}")
                 spawned += 1
             summary.kills += 1
         if on_redis:
@@ -302,6 +324,7 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
         for worker in workers:
             worker.kill()
         delete_keys(client, prefix)
+        kill_log.close()
         summary.seconds = time.monotonic() - started
     return summary
 
@@ -344,9 +367,16 @@ def wrong_fetch(logs: dict[str, str], fetch: str) -> list[str]:
 
 def log_lines(logs: dict[str, str], task_id: str) -> list[str]:
     """The worker log lines that name ``task_id`` (at most :data:`LOG_LINES`),
-    each with its log's name."""
-    found = [f"{name}: {line.strip()[:300]}" for name, text in logs.items()
-             for line in text.splitlines() if task_id in line]
+    each with its log's name, and when each of those logs ends (a log that
+    ends at once after the task was received is a worker killed whole then;
+    see the kill log, :data:`KILL_LOG`)."""
+    found: list[str] = []
+    for name, text in logs.items():
+        lines = [line.strip()[:300] for line in text.splitlines() if task_id in line]
+        if lines:
+            found.extend(f"{name}: {line}" for line in lines)
+            stamps = STAMP.findall(text)
+            found.append(f"{name} ends {stamps[-1] if stamps else '?'}")
     if len(found) > LOG_LINES:
         found = [*found[:LOG_LINES], f"... {len(found) - LOG_LINES} more"]
     return found
