@@ -45,7 +45,7 @@ from .worker.children import current_parent
 from .worker.consumer import install_consumer_step
 from .worker.execution import acknowledge_success, run_tool
 from .worker.fetch import install_atomic_fetch
-from .worker.handoff import hand_over, noted, without_handoff
+from .worker.handoff import hand_over, hide_handoff, noted
 from .worker.retries import (
     REQUESTED_EXHAUSTED_MARK,
     RetryPolicy,
@@ -294,14 +294,13 @@ class ToolTask(Task):  # type: ignore[misc]
     # -- calling -------------------------------------------------------------
 
     def signature_from_request(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's, without what the worker's main process handed its pool with
-        the request (every republish of a task from its own request goes
-        through here), and marked as such a republish: it claims no task id
-        (``apply_async``)."""
+        """Celery's, marked as a republish of the task from its own request
+        (every one goes through here): it claims no task id (``apply_async``).
+        What the worker's main process handed its pool is not in the request's
+        headers by then (``hide_handoff``, first thing in ``__call__``)."""
         signature = super().signature_from_request(*args, **kwargs)
         if self._tooleffect_plain:
             return signature
-        signature = without_handoff(signature)
         signature.options[REPUBLISH_OPTION] = True
         # Celery passes the request's headers on (Context.as_execution_options):
         # the copy says it is one, so a READ_ONLY release asks the journal.
@@ -400,6 +399,7 @@ class ToolTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         request = self.request
         if request.id is not None:
+            hide_handoff(request)
             try:
                 return run_tool(self, request, args, kwargs)
             except DeadLettered as rejection:

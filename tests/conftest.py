@@ -369,6 +369,27 @@ FAULT_LINE = "fault scenario"
 _FAULT_LINES: list[str] = []
 
 
+#: A failed test's report ends with at most this many last lines of each log
+#: its workers wrote (``*.log`` in its ``tmp_path``).
+LOG_TAIL = 150
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report shows the end of every worker log it left in its
+    ``tmp_path``: the workers' side of the failure, which is gone with the
+    temporary directory once CI ends."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when != "call" or not report.failed or not isinstance(tmp_path, Path):
+        return
+    for log in sorted(tmp_path.rglob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        report.sections.append((f"{log.relative_to(tmp_path)} (last {LOG_TAIL} lines)",
+                                "\n".join(lines[-LOG_TAIL:])))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Keep a test's fault summary lines and its key prefix; its teardown report
     holds them all. Under xdist this runs in the controller too, with the

@@ -27,6 +27,7 @@ from celery_tooleffect.store.dead_letters import DeadLetter
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.states import Ending, JournalState
+from celery_tooleffect.worker.handoff import HANDOFF_FIELD, NOTES_FIELD
 from tests.apps.paths_app import build
 from tests.conftest import REDIS_URL, WorkerProcess, wait_for
 
@@ -180,6 +181,22 @@ def test_a_retry_the_tool_asks_for_is_honoured_and_audited_for_every_effect(
         assert journal["state"] == "succeeded" and journal["attempt"] == "2"
         assert journal[Ending.REQUESTED.counter] == "1"
     assert DeadLetters(app).get(task_id) is None
+
+
+def test_a_retried_tool_reads_the_callers_custom_headers_and_nothing_of_the_worker(
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
+) -> None:
+    """``self.request.headers`` holds the producer's custom headers on every
+    attempt (a retry carries them on), and nothing the worker's main process
+    handed its pool: the body can return it (the result backend serializes it)."""
+    start()
+    task_id = send(app, "paths.retried_headers", "headers",
+                   headers={"x-test-header": "test-value"})
+    wait_for(lambda: state_of(app, task_id) == "SUCCESS", what="the retried tool to succeed")
+    headers = app.AsyncResult(task_id).result
+    assert runs(client, prefix, "headers") == 2
+    assert headers["x-test-header"] == "test-value"
+    assert HANDOFF_FIELD not in headers and NOTES_FIELD not in headers
 
 
 def test_requested_retries_that_spend_the_budget_say_so_in_the_dead_letter(

@@ -13,9 +13,8 @@ exception, pickled. So:
   (:data:`HANDOFF_FIELD`): the attempt's owner token, the reserved headers the
   producer set, whether the store approved the call, whether the pool
   acknowledges a success. Made by ``ToolRequest`` (the approval gate adds the
-  approval), read by ``Execution``; :func:`without_handoff` takes it out of a
-  signature republished from the request (a retry, a deferral), whose headers
-  would carry it.
+  approval), read by ``Execution``; :func:`hide_handoff` takes it out of the
+  task's ``request.headers`` (what a body reads, returns or republishes).
 - **pool → main**: :class:`PendingLetter`, a dead letter a tool decided, which
   only the process that holds the message can store. When Celery's result is
   the tool's own error, Celery's tracer handles the failure and returns the
@@ -36,7 +35,6 @@ exception, pickled. So:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,16 +85,18 @@ def handoff_of(request: Any) -> Handoff | None:
     return handoff if isinstance(handoff, Handoff) else None
 
 
-def without_handoff(signature: Any) -> Any:
-    """``signature`` without the :class:`Handoff` in its headers: Celery passes
-    a request's headers on to a signature made from it
-    (``Context.as_execution_options``), and a republish must carry none."""
-    headers = signature.options.get("headers")
-    if isinstance(headers, Mapping) and HANDOFF_FIELD in headers:
-        signature.options["headers"] = {
-            name: value for name, value in headers.items() if name != HANDOFF_FIELD
-        }
-    return signature
+def hide_handoff(request: Any) -> None:
+    """Take the :class:`Handoff` out of ``request.headers``, keeping the
+    attribute :func:`handoff_of` reads. Celery's ``Context`` copies every
+    request field it does not know into ``headers`` (``_get_custom_headers``):
+    what a task reads as its custom headers, returns (a result backend must
+    serialize it) or passes on to a signature made from the request
+    (``Context.as_execution_options``, every retry and republish). The
+    Handoff is none of these. Called first thing in the pool process."""
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict) and HANDOFF_FIELD in headers:
+        request.headers = {name: value for name, value in headers.items()
+                           if name != HANDOFF_FIELD} or None
 
 
 # -- in the pool process -------------------------------------------------------------
