@@ -293,12 +293,17 @@ class ToolTask(Task):  # type: ignore[misc]
 
     # -- calling -------------------------------------------------------------
 
-    def signature_from_request(self, *args: Any, **kwargs: Any) -> Any:
+    def signature_from_request(self, request: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Celery's, marked as a republish of the task from its own request
-        (every one goes through here): it claims no task id (``apply_async``).
-        What the worker's main process handed its pool is not in the request's
-        headers by then (``hide_handoff``, first thing in ``__call__``)."""
-        signature = super().signature_from_request(*args, **kwargs)
+        (every one goes through here: a retry in the pool, a run again or a
+        deferral in the worker's main process): it claims no task id
+        (``apply_async``), and carries none of what the main process handed
+        its pool (``hide_handoff``: Celery copies the request's headers on)."""
+        if request is None:
+            request = self.request
+        if not self._tooleffect_plain:
+            hide_handoff(request)
+        signature = super().signature_from_request(request, *args, **kwargs)
         if self._tooleffect_plain:
             return signature
         signature.options[REPUBLISH_OPTION] = True

@@ -14,7 +14,8 @@ exception, pickled. So:
   producer set, whether the store approved the call, whether the pool
   acknowledges a success. Made by ``ToolRequest`` (the approval gate adds the
   approval), read by ``Execution``; :func:`hide_handoff` takes it out of the
-  task's ``request.headers`` (what a body reads, returns or republishes).
+  request's ``headers`` (what a body reads or returns, what a republish
+  carries on).
 - **pool → main**: :class:`PendingLetter`, a dead letter a tool decided, which
   only the process that holds the message can store. When Celery's result is
   the tool's own error, Celery's tracer handles the failure and returns the
@@ -92,7 +93,9 @@ def hide_handoff(request: Any) -> None:
     what a task reads as its custom headers, returns (a result backend must
     serialize it) or passes on to a signature made from the request
     (``Context.as_execution_options``, every retry and republish). The
-    Handoff is none of these. Called first thing in the pool process."""
+    Handoff is none of these. Called first thing in the pool process
+    (``ToolTask.__call__``) and on every republish from a request, in either
+    process (``ToolTask.signature_from_request``)."""
     headers = getattr(request, "headers", None)
     if isinstance(headers, dict) and HANDOFF_FIELD in headers:
         request.headers = {name: value for name, value in headers.items()
