@@ -8,7 +8,8 @@ repository.
 - :data:`REDIS_URL`, :data:`TEST_FETCH`, :func:`app_config`: which Redis and
   fetch the suite uses, and the settings of its apps;
 - :class:`TcpProxy`: a loopback TCP proxy (cuts, delays, targeted cuts, round
-  trip counting).
+  trip counting);
+- :class:`Monitor`: every command a Redis server receives while it is open.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import selectors
 import socket
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
+
+import redis
 
 #: The Redis the test suite and the crash test use (broker, results, store).
 REDIS_URL = os.environ.get("TOOLEFFECT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -29,6 +33,69 @@ REDIS_URL = os.environ.get("TOOLEFFECT_TEST_REDIS_URL", "redis://127.0.0.1:6379/
 #: package's, the default) or ``kombu`` (``tooleffect_atomic_fetch=False``).
 #: CI runs the core scenarios with each.
 TEST_FETCH = os.environ.get("TOOLEFFECT_TEST_FETCH", "atomic")
+
+
+# -- what a Redis server receives -------------------------------------------------------
+
+
+@dataclass
+class Monitor:
+    """Redis ``MONITOR`` of a server, in a thread, while open: every command but
+    the monitor's own, in order (the tests that count round trips and the
+    commands a worker needs)."""
+
+    #: A client of the server (``RedisServer.client()``).
+    client: redis.Redis
+    #: What ``MONITOR`` reported, one dict a command (redis-py's ``next_command``).
+    received: list[dict[str, Any]] = field(default_factory=list)
+    #: Addresses (``ip:port``) whose commands :meth:`sent` leaves out.
+    ignored: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._monitor: Any = self.client.monitor()  # type: ignore[no-untyped-call]
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._stop = f"tooleffect-monitor-stop-{uuid.uuid4().hex}"
+
+    def __enter__(self) -> Monitor:
+        # redis-py's Monitor.__enter__ sends MONITOR and reads its OK: from
+        # here on every command is seen.
+        self._monitor.__enter__()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.client.echo(self._stop)
+        self._thread.join(20)
+        self._monitor.__exit__(*exc_info)
+
+    def _watch(self) -> None:
+        while True:
+            command = self._monitor.next_command()
+            if self._stop in command["command"]:
+                return
+            self.received.append(command)
+
+    def sent(self) -> list[list[str]]:
+        """The commands clients sent (not those a script ran), each as its words."""
+        return [command["command"].split(" ") for command in list(self.received)
+                if command.get("client_type") != "lua"
+                and f"{command['client_address']}:{command['client_port']}" not in self.ignored]
+
+    def named(self, name: str) -> list[list[str]]:
+        """The commands clients sent of one name (``BLMOVE``)."""
+        return [words for words in self.sent() if words[0].upper() == name.upper()]
+
+    def acl_names(self) -> set[str]:
+        """Every command the server ran, scripts' too, as an ACL names it
+        (``get``, ``script|load``): what the user the commands ran as needs."""
+        names = set()
+        for command in list(self.received):
+            words = command["command"].split(" ")
+            name = words[0].lower()
+            if name in ("script", "client", "config", "acl") and len(words) > 1:
+                name = f"{name}|{words[1].lower()}"
+            names.add(name)
+        return names
 
 
 # -- Celery settings -------------------------------------------------------------------

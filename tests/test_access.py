@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
-import threading
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from celery_tooleffect.admin.operations import DeadLetterOperations
 from celery_tooleffect.store.dead_letters import DeadLetterQuery
 from celery_tooleffect.store.journal import Journal, JournalRef
 from tests.conftest import RedisServer, free_port, redis_server, running_worker, wait_for
+from tests.support import Monitor
 from tests.test_bad_messages import publish
 
 #: The README's "Redis permissions" lists, by who needs them.
@@ -145,39 +145,6 @@ def core_flow(app: Celery, operators: bool = True) -> dict[str, str]:
     return {"refused": refused.id, "unknown": unknown}
 
 
-class Monitor:
-    """Every command a Redis server runs while it is open, by name (``script|load``)."""
-
-    STOP = "tooleffect-test-monitor-stop"
-
-    def __init__(self, server: RedisServer) -> None:
-        self.server = server
-        self.seen: set[str] = set()
-        self._client = server.client()
-        self._monitor = self._client.monitor()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def __enter__(self) -> Monitor:
-        self._monitor.__enter__()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.server.client().echo(self.STOP)
-        self._thread.join(20)
-        self._monitor.__exit__(*exc_info)
-
-    def _watch(self) -> None:
-        while True:
-            words = self._monitor.next_command()["command"].split(" ")
-            name = words[0].lower()
-            if name == "echo" and self.STOP in words[-1]:
-                return
-            if name in ("script", "client", "config", "acl") and len(words) > 1:
-                name = f"{name}|{words[1].lower()}"
-            self.seen.add(name)
-
-
 @pytest.fixture
 def acl_server(prefix: str) -> Iterator[RedisServer]:
     with redis_server() as server:
@@ -193,12 +160,12 @@ def test_a_restricted_acl_user_is_enough_for_the_store_and_the_dead_letters(
     admin = acl_server.client()
     app = make_app(broker_url="memory://", tooleffect_redis_url=store_url(acl_server.port))
     caplog.set_level(logging.WARNING, logger="celery_tooleffect.worker.startup")
-    with Monitor(acl_server) as monitor:
+    with Monitor(acl_server.client()) as monitor:
         core_flow(app)
 
     documented = WORKER_COMMANDS | OPERATOR_COMMANDS
     # HELLO (the handshake that authenticates) is always allowed.
-    used = monitor.seen - OPTIONAL_COMMANDS - {"hello"}
+    used = monitor.acl_names() - OPTIONAL_COMMANDS - {"hello"}
     assert used == documented, (
         f"undocumented: {sorted(used - documented)}; "
         f"documented but unused: {sorted(documented - used)}"
@@ -221,12 +188,12 @@ def test_workers_need_only_the_workers_commands(
         admin.execute_command("ACL", "SETUSER", "tooleffect",
                               *acl_rules(f"{prefix}te:", operators=False))
         app = make_app(broker_url="memory://", tooleffect_redis_url=store_url(server.port))
-        with Monitor(server) as monitor:
+        with Monitor(server.client()) as monitor:
             core_flow(app, operators=False)
         # Every worker command is sent: HGETALL and HDEL by the declared effects
         # (published at start, withdrawn at stop) whether or not a dead letter
         # begun by a stopped worker is finished (HGETALL too).
-        assert monitor.seen - OPTIONAL_COMMANDS - {"hello"} == WORKER_COMMANDS
+        assert monitor.acl_names() - OPTIONAL_COMMANDS - {"hello"} == WORKER_COMMANDS
         assert {entry["object"] for entry in admin.acl_log()} <= OPTIONAL_COMMANDS
 
 

@@ -48,7 +48,7 @@ from celery_tooleffect.testing import (
     wait_for,
 )
 from celery_tooleffect.worker.fetch import uses_atomic_fetch
-from tests.support import TcpProxy, app_config
+from tests.support import Monitor, TcpProxy, app_config
 from tests.topologies import MASTER, sentinel_set
 
 TESTS = Path(__file__).parent
@@ -166,42 +166,9 @@ def restore_visible(url: str, **options: Any) -> None:
         connection.default_channel.qos.restore_visible(num=100, interval=1)
 
 
-class Monitor:
-    """Every command clients send a server while this is open, as its words
-    (not the commands scripts call)."""
-
-    STOP = "tooleffect-fetch-monitor-stop"
-
-    def __init__(self, server: RedisServer) -> None:
-        self.server = server
-        self.commands: list[list[str]] = []
-        self._monitor = server.client(socket_timeout=None).monitor()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def __enter__(self) -> Monitor:
-        self._monitor.__enter__()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.server.client().echo(self.STOP)
-        self._thread.join(20)
-        self._monitor.__exit__(*exc_info)
-
-    def _watch(self) -> None:
-        while True:
-            command = self._monitor.next_command()
-            words = command["command"].split(" ")
-            if words[0].upper() == "ECHO" and self.STOP in words[-1]:
-                return
-            if command["client_type"] != "lua":
-                self.commands.append(words)
-
-    def named(self, name: str) -> list[list[str]]:
-        return [words for words in self.commands if words[0].upper() == name]
-
-    def fetches(self) -> list[list[str]]:
-        return [words for words in self.named("EVALSHA") if words[1] == FETCH_SHA]
+def fetches(monitor: Monitor) -> list[list[str]]:
+    """The atomic fetches clients sent while ``monitor`` was open."""
+    return [words for words in monitor.named("EVALSHA") if words[1] == FETCH_SHA]
 
 
 @pytest.fixture
@@ -342,9 +309,9 @@ def test_an_idle_consumer_sends_nothing_but_its_waits(server: RedisServer) -> No
         connection.channel(), [queue("tools")], on_message=lambda message: None,
     ):
         idle(connection)
-        with Monitor(server) as monitor, pytest.raises(socket.timeout):
+        with Monitor(server.client()) as monitor, pytest.raises(socket.timeout):
             connection.drain_events(timeout=5)
-    assert monitor.fetches() == []
+    assert fetches(monitor) == []
     waits = monitor.named("BLMOVE")
     lists = {"tools", *(f"tools\\x06\\x16{step}" for step in (3, 6, 9))}  # as MONITOR shows
     assert {words[1] for words in waits} <= lists
@@ -356,8 +323,8 @@ def test_an_idle_consumer_sends_nothing_but_its_waits(server: RedisServer) -> No
     assert 4 <= len(waits) <= 4 * 2
     # The rest is kombu's restore sweep (lock, scan, unlock), every 10th poll,
     # and the handshake of a connection opened meanwhile.
-    others = {words[0].upper() for words in monitor.commands} - {"BLMOVE"}
-    assert others <= {"SET", "ZRANGE", "EVALSHA", "HELLO"}, monitor.commands
+    others = {words[0].upper() for words in monitor.sent()} - {"BLMOVE"}
+    assert others <= {"SET", "ZRANGE", "EVALSHA", "HELLO"}, monitor.sent()
 
 
 def test_waiting_messages_are_fetched_one_script_call_each_without_waits(
@@ -365,12 +332,12 @@ def test_waiting_messages_are_fetched_one_script_call_each_without_waits(
 ) -> None:
     publish(server.url, [("tools", n, {"priority": n % 10}) for n in range(20)])
     server.client().script_load(script("fetch").text)  # no NOSCRIPT round trip first
-    with connect(server.url) as connection, Monitor(server) as monitor:
+    with connect(server.url) as connection, Monitor(server.client()) as monitor:
         got = consume(connection, ["tools"], 20)
     assert sorted(message.payload for message in got) == list(range(20))
     # One round trip per message, and nothing else fetches: no BRPOP, no
     # RPOP, no wait while a list holds a message.
-    assert len(monitor.fetches()) == 20
+    assert len(fetches(monitor)) == 20
     assert not monitor.named("BLMOVE") and not monitor.named("BRPOP")
     assert not monitor.named("RPOP") and not monitor.named("HSET")
     assert broker.empty("tools")
@@ -605,10 +572,10 @@ def test_an_idle_worker_sends_no_fetch_and_spins_no_cpu(tool_worker: ToolWorker)
     wait_for(lambda: tool_worker.broker.empty("tools")
              and blocked_waits(tool_worker.server) == lists, timeout=10, what="an idle worker")
     cpu_before = sum(tool_worker.worker.cpu_seconds())
-    with Monitor(tool_worker.server) as monitor:
+    with Monitor(tool_worker.server.client()) as monitor:
         sleep(5)  # the window watched, not a wait for something to happen
     cpu = sum(tool_worker.worker.cpu_seconds()) - cpu_before
-    assert monitor.fetches() == []
+    assert fetches(monitor) == []
     # Each wait renewed once or twice (every 4 s: see the test above).
     assert lists <= len(monitor.named("BLMOVE")) <= lists * 2
     assert cpu < 1.0
@@ -720,9 +687,9 @@ def test_a_fetch_refused_for_memory_leaves_the_message_queued_until_memory_is_fr
         # Waiting on a full server: the waits are refused (BLMOVE is a write),
         # neither raised nor sent again at once.
         server.refuse_writes()
-        with Monitor(server) as monitor:
+        with Monitor(server.client()) as monitor:
             idle(connection, 3)
-        assert len(monitor.fetches()) <= 3 / REFUSED_RETRY + 1
+        assert len(fetches(monitor)) <= 3 / REFUSED_RETRY + 1
         assert len(monitor.named("BLMOVE")) <= 4 * (3 / REFUSED_RETRY + 1)
         server.accept_writes()
         publish(server.url, [("tools", {"call": 3}, {})])

@@ -24,12 +24,10 @@ the exact commands:
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -42,7 +40,7 @@ from celery_tooleffect.testing import (
     start_celery_worker,
     wait_for,
 )
-from tests.support import app_config
+from tests.support import Monitor, app_config
 
 ROOT = Path(__file__).resolve().parent.parent
 HANDSHAKE = {"HELLO", "CLIENT", "PING", "AUTH", "SELECT", "MONITOR", "ECHO", "INFO"}
@@ -53,58 +51,20 @@ UPKEEP = ("unacked_mutex", "_kombu.binding", "pidbox", "binding_deadlines", ":co
 SCRIPTS = ("fetch", "append_event", "begin_attempt", "transition")
 
 
-@dataclass
-class Monitor:
-    """``MONITOR`` of a server in a thread: every command but its own, in order."""
-
-    server: RedisServer
-    commands: list[dict[str, Any]] = field(default_factory=list)
-    #: Addresses (``ip:port``) of the test's own connections, left out.
-    ignored: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self._client = self.server.client()
-        self._monitor = self._client.monitor()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._stop = f"monitor-stop-{uuid.uuid4().hex}"
-
-    def __enter__(self) -> Monitor:
-        # redis-py's Monitor.__enter__ sends MONITOR and reads its OK: from
-        # here on every command is seen.
-        self._monitor.__enter__()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.server.client().echo(self._stop)
-        self._thread.join(20)
-        self._monitor.__exit__(*exc_info)
-
-    def _watch(self) -> None:
-        while True:
-            command = self._monitor.next_command()
-            if self._stop in command["command"]:
-                return
-            self.commands.append(command)
-
-    def sent(self) -> list[list[str]]:
-        """The commands clients sent (not those a script ran), as words."""
-        out = []
-        for command in list(self.commands):
-            if command.get("client_type") == "lua":
-                continue
-            if f"{command['client_address']}:{command['client_port']}" in self.ignored:
-                continue
-            words = command["command"].split(" ")
-            if words[0].upper() in HANDSHAKE:
-                continue
-            if any(mark in word for word in words[1:3] for mark in UPKEEP):
-                continue
-            if words[0].upper() in ("ZRANGE", "SET", "GET", "DEL") and len(words) > 1 and (
-                    words[1].endswith(("unacked_index", "unacked_mutex"))):
-                continue
-            out.append(words)
-        return out
+def counted(monitor: Monitor) -> list[list[str]]:
+    """The commands of the calls the test counts: what clients sent, without
+    connection handshakes, kombu's upkeep and the test tools' counters."""
+    out = []
+    for words in monitor.sent():
+        if words[0].upper() in HANDSHAKE:
+            continue
+        if any(mark in word for word in words[1:3] for mark in UPKEEP):
+            continue
+        if words[0].upper() in ("ZRANGE", "SET", "GET", "DEL") and len(words) > 1 and (
+                words[1].endswith(("unacked_index", "unacked_mutex"))):
+            continue
+        out.append(words)
+    return out
 
 
 def named(words: list[str]) -> str:
@@ -154,15 +114,15 @@ def call_commands(setup: Setup, tmp_path: Path, name: str, *, fetch: str = "atom
                                  root=ROOT)
     try:
         call(setup, name)  # warm-up: connections, scripts loaded, queue declared
-        with Monitor(setup.server) as monitor:
+        with Monitor(setup.server.client()) as monitor:
             monitor.ignored.add(setup.poller.client_info()["addr"])
             wait_for(lambda: idle(monitor), timeout=10, what="the worker to wait for work")
-            before = len(monitor.sent())
+            before = len(counted(monitor))
             call(setup, name)
             # Until the worker fetches again after the call: its commands are complete.
-            wait_for(lambda: sum(map(fetches, monitor.sent()[before:])) >= 2, timeout=10,
-                     what=f"the worker to fetch again: {monitor.sent()[before:]}")
-        sent = monitor.sent()[before:]
+            wait_for(lambda: sum(map(fetches, counted(monitor)[before:])) >= 2, timeout=10,
+                     what=f"the worker to fetch again: {counted(monitor)[before:]}")
+        sent = counted(monitor)[before:]
     finally:
         worker.stop()
     published = [i for i, words in enumerate(sent) if named(words) == "LPUSH"]
@@ -179,7 +139,7 @@ def call_commands(setup: Setup, tmp_path: Path, name: str, *, fetch: str = "atom
 
 def idle(monitor: Monitor) -> bool:
     """The worker has sent its blocking wait (BLMOVE, or kombu's BRPOP)."""
-    return any(words[0].upper() in ("BLMOVE", "BRPOP") for words in monitor.sent())
+    return any(words[0].upper() in ("BLMOVE", "BRPOP") for words in counted(monitor))
 
 
 def call(setup: Setup, name: str) -> None:
