@@ -1,6 +1,6 @@
 """The worked example of docs/testing.md, examples/test_agent_app.py, run as a
 user runs it (its own pytest, the plugin enabled by the file): every example
-tool crashed at every boundary ends as the README's table promises."""
+tool crashed at every boundary ends as the table "How a task ends" (docs/guide.md) promises."""
 
 from __future__ import annotations
 

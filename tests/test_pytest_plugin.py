@@ -1,6 +1,6 @@
 """The pytest plugin, run the way a user runs it: a test file of the user's
 (``pytester``) enables the plugin, names its app, and crashes a worker at each
-boundary of an attempt; each ending is what the README's table promises."""
+boundary of an attempt; each ending is what the table "How a task ends" (docs/guide.md) promises."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ PROPERTIES = settings(max_examples=150, deadline=None, database=None)
 
 
 @pytest.mark.parametrize(("url", "options"), [
-    ("redis://127.0.0.1:6379/0", {"host": "127.0.0.1", "port": 6379, "db": 0}),
+    ("redis://cache.example:6379/0", {"host": "cache.example", "port": 6379, "db": 0}),
     ("redis://u:p%40ss@h:1234/5",
      {"host": "h", "port": 1234, "db": 5, "username": "u", "password": "p@ss"}),
     ("rediss://h:6380/1?ssl_cert_reqs=required",
