@@ -18,6 +18,7 @@ from celery_tooleffect import ToolEffect, ToolTask
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.worker.results import backend_is_the_store
 from tests.conftest import REDIS_URL, Counter, running_worker
+from tests.support import Monitor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,42 +59,11 @@ def tools(app: Celery, counter: Counter) -> dict[str, Any]:
             "quiet": quiet}
 
 
-class Monitor:
-    """Redis MONITOR in a thread: the commands that touched one key."""
-
-    def __init__(self) -> None:
-        self.commands: list[dict[str, Any]] = []
-        self.client = redis.Redis.from_url(REDIS_URL)
-        self.stop = threading.Event()
-        self.listening = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        # redis-py's Monitor.__enter__ sends MONITOR and reads its OK: from
-        # here on every command is seen.
-        with self.client.monitor() as monitor:
-            self.listening.set()
-            self.client.ping()
-            while not self.stop.is_set():
-                command = monitor.next_command()
-                self.commands.append(command)
-                if "monitor-stop" in command["command"]:
-                    return
-
-    def __enter__(self) -> Monitor:
-        self.thread.start()
-        # Not before MONITOR answered: a call made earlier would go unseen.
-        assert self.listening.wait(10), "MONITOR did not start"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.client.get("monitor-stop")
-        self.thread.join(10)
-
-    def touching(self, key: str) -> list[tuple[str, str]]:
-        return [(c["client_type"], c["command"].split(" ", 1)[0]) for c in self.commands
-                if key in c["command"] and not c["command"].startswith(("EVAL", "MONITOR"))]
+def commands_touching(monitor: Monitor, key: str) -> list[tuple[str, str]]:
+    """The commands that touched ``key`` (scripts' own included), as (client
+    type, command name)."""
+    return [(c["client_type"], c["command"].split(" ", 1)[0]) for c in monitor.received
+            if key in c["command"] and not c["command"].startswith(("EVAL", "MONITOR"))]
 
 
 @pytest.mark.parametrize("name", ["write", "read"])
@@ -104,7 +74,7 @@ def test_the_outcome_stores_the_result_once_as_celery_would(
     tool = tools(app, counter)
     assert backend_is_the_store(app.backend, runtime_for(app))
     key = uuid.uuid4().hex[:8]
-    with running_worker(app), Monitor() as monitor:
+    with running_worker(app), Monitor(redis.Redis.from_url(REDIS_URL)) as monitor:
         result = tool[name].delay(key)
         assert result.get(timeout=30) == {"key": key, "n": [1, 2]}  # pub/sub wait
     assert result.state == "SUCCESS" and counter.value(key) == 1
@@ -115,7 +85,7 @@ def test_the_outcome_stores_the_result_once_as_celery_would(
     # lua), once; Celery's tracer
     # did not store it again (its SETEX/SET and PUBLISH would come over tcp).
     # The GET and (UN)SUBSCRIBE over tcp are the caller's result.get().
-    touching = monitor.touching(result_key)
+    touching = commands_touching(monitor, result_key)
     writes = [entry for entry in touching if entry[1] in ("SET", "SETEX", "PUBLISH")]
     assert writes == [("lua", "SET"), ("lua", "PUBLISH")], touching
     assert 590 < redis.Redis.from_url(REDIS_URL).ttl(result_key) <= 600

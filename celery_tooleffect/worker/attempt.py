@@ -21,10 +21,6 @@ from ..store.audit import StepContext, worker_identity
 from ..store.envelope import REPLAY_HEADER
 from ..store.journal import JournalRef
 
-# What the worker adds to a request for its pool (worker/handoff.py), named
-# here too beside the headers a producer may set.
-from .handoff import INTERNAL_FIELDS as INTERNAL_FIELDS
-
 #: The ``tooleffect_*`` message headers a producer may set: the run id, the
 #: agent's call id, and the mark a dead-letter replay leaves (informational: workers decide from the
 #: journal, so setting it grants nothing).

@@ -45,14 +45,12 @@ from ..errors import DeadLettered
 from ..store.dead_letters import DeadLetter
 
 #: The request-dict key (and so the ``task.request`` attribute) of the
-#: :class:`Handoff`.
+#: :class:`Handoff`. Never taken from a message: a producer's header of this
+#: name (or :data:`NOTES_FIELD`'s) is refused as forged, as any ``tooleffect_*``
+#: header it may not set, and replaced before anything reads it.
 HANDOFF_FIELD = "tooleffect_handoff"
 #: The ``task.request`` attribute of the pool's :class:`AttemptNotes`.
 NOTES_FIELD = "tooleffect_notes"
-#: The request fields the worker adds, never taken from a message: a
-#: producer's header of either name is refused as forged (as any
-#: ``tooleffect_*`` header it may not set), and replaced before anything reads it.
-INTERNAL_FIELDS = (HANDOFF_FIELD, NOTES_FIELD)
 #: The ``ExceptionInfo`` attribute a :class:`PendingLetter` rides on.
 LETTER_FIELD = "tooleffect_pending_letter"
 
