@@ -6,6 +6,7 @@ wrong and what it means::
      |    +-- EffectRelabelRefused        a setting, header or call option tried
      |    |                               to change a tool's declared guarantees
      |    +-- ToolDeclarationError        a tool's own options break its promise
+     |         +-- ToolSchemaError         a tool's signature cannot be described to an agent
      +-- StoreUnavailable                the store did not answer or refused a write
      |    +-- IntentNotRecorded           ... so a write's body did not run
      |    +-- LeaseNotSecured             ... so a write with a deadline did not start
@@ -21,6 +22,8 @@ wrong and what it means::
      |                                   other arguments); nothing ran
      +-- InvalidCallId                   (also ValueError) a call id or step key that
      |                                   cannot be an id
+     +-- InvalidToolArguments            (also ValueError) an agent's arguments do not
+     |                                   fit the tool's input schema; nothing was sent
      +-- ReconcileFailed                 a tool's reconcile timed out or answered nonsense
      +-- ApprovalRejected                a person rejected the call, or nobody decided in time
      +-- ApprovalRequired                an interactive call of a tool that needs approval
@@ -114,6 +117,13 @@ class ToolDeclarationError(ConfigurationError):
     Raised when the task is bound (at import of the module that defines it),
     with what to do instead.
     """
+
+
+class ToolSchemaError(ToolDeclarationError):
+    """A tool's signature cannot be described to an agent (a parameter
+    without a type, ``*args``, a type pydantic cannot describe): raised when
+    the tool is offered to one (the MCP server refuses to start), naming the
+    tool and why."""
 
 
 class DeadLettered(ToolEffectError, Reject):  # type: ignore[misc]
@@ -238,6 +248,25 @@ class InvalidCallId(ToolEffectError, ValueError):
     longer than 200 characters. Raised before anything is published or run."""
 
     failure_class = "client_error"
+
+
+class InvalidToolArguments(ToolEffectError, ValueError):
+    """An agent's arguments do not fit the tool's input schema; nothing was
+    published. ``errors`` are pydantic's, each naming its field (``loc``)."""
+
+    def __init__(self, message: str, *, tool: str = "",
+                 errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.tool = tool
+        self.errors = errors or []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_invalid_arguments, (str(self), self.tool, self.errors))
+
+
+def _rebuild_invalid_arguments(message: str, tool: str,
+                               errors: list[dict[str, Any]]) -> InvalidToolArguments:
+    return InvalidToolArguments(message, tool=tool, errors=errors)
 
 
 class ReconcileFailed(ToolEffectError):

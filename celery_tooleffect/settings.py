@@ -52,6 +52,13 @@ DEFAULTS: dict[str, Any] = {
     # On a Redis broker, take a message and record it unacknowledged in one
     # script (celery_tooleffect.store.transport); False keeps kombu's fetch.
     "tooleffect_atomic_fetch": True,
+    # Agents (celery_tooleffect.agents): how long a call is waited for before
+    # the agent is told it awaits approval / is still running, the largest
+    # arguments a call takes, and the MCP server's bearer token over HTTP.
+    "tooleffect_agent_approval_wait": 30.0,
+    "tooleffect_agent_result_wait": 300.0,
+    "tooleffect_agent_max_argument_bytes": 256 * 1024,
+    "tooleffect_mcp_token": None,
 }
 
 
@@ -104,6 +111,16 @@ class Settings:
     #: The broker is Redis and its messages are fetched by the package's atomic
     #: fetch (``tooleffect_atomic_fetch``, on by default).
     atomic_fetch: bool = False
+    #: Seconds an agent's call parked for approval is waited for before the
+    #: agent is told it awaits approval (``tooleffect_agent_approval_wait``).
+    agent_approval_wait: float = 30.0
+    #: Seconds any other agent call is waited for before the agent is told it
+    #: is still queued or running (``tooleffect_agent_result_wait``).
+    agent_result_wait: float = 300.0
+    #: The largest arguments of an agent's call, as JSON bytes.
+    agent_max_argument_bytes: int = 256 * 1024
+    #: The bearer token the MCP server asks of HTTP clients (None: none set).
+    mcp_token: str | None = field(default=None, repr=False)
 
     @property
     def store_endpoint(self) -> RedisEndpoint:
@@ -240,6 +257,11 @@ def _read(app: Celery) -> Settings:
         release=(default_release(app) if conf.get("tooleffect_release") is None
                  else str(conf.get("tooleffect_release"))),
         atomic_fetch=broker_is_redis and atomic_fetch_enabled(conf),
+        agent_approval_wait=float(get("tooleffect_agent_approval_wait")),
+        agent_result_wait=float(get("tooleffect_agent_result_wait")),
+        agent_max_argument_bytes=int(get("tooleffect_agent_max_argument_bytes")),
+        mcp_token=(str(conf["tooleffect_mcp_token"]) if conf.get("tooleffect_mcp_token")
+                   else None),
     )
 
 

@@ -8,7 +8,10 @@ as Celery's ``celery/states.py`` names a task's states.
   (:class:`~celery_tooleffect.store.approvals.Approval`, ``Approvals``);
 - :class:`DeadLetterReason`: why a task is a dead letter
   (:class:`~celery_tooleffect.store.dead_letters.DeadLetter`, the
-  ``dead_letter_reason`` of a ``task-failed`` event).
+  ``dead_letter_reason`` of a ``task-failed`` event);
+- :class:`CallStatus`: where a call stands as an agent is told
+  (:class:`~celery_tooleffect.agents.CallReport`, the MCP server's results
+  and its ``tooleffect_call_status`` tool).
 
 Each is a string enum: a member equals its value (``JournalState.SUCCEEDED ==
 "succeeded"``), which is what Redis, the CLI's ``--json`` and the events hold,
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from .choices import Choice
 
-__all__ = ["ApprovalState", "DeadLetterReason", "JournalState"]
+__all__ = ["ApprovalState", "CallStatus", "DeadLetterReason", "JournalState"]
 
 
 class JournalState(Choice):
@@ -102,3 +105,47 @@ class DeadLetterReason(Choice):
     #: kept under its own id (:func:`~celery_tooleffect.store.dead_letters.conflict_letter_id`),
     #: never replayed.
     CALL_ID_CONFLICT = "call_id_conflict"
+
+
+class CallStatus(Choice):
+    """Where a tool call stands, as an agent is told (one word for each of
+    Celery's result states, the approval and the dead letter behind it)."""
+
+    __choice_name__ = "a call status"
+
+    #: Published; no worker reported it started (Celery: PENDING). Also what
+    #: an id nobody published reads as, unless the caller chose it.
+    QUEUED = "queued"
+    #: A worker runs it, or its retry is scheduled (Celery: STARTED, RETRY;
+    #: a write's journal: running).
+    RUNNING = "running"
+    #: Parked until a person approves or rejects it; nothing of it ran.
+    AWAITING_APPROVAL = "awaiting_approval"
+    #: It ended with a result.
+    SUCCEEDED = "succeeded"
+    #: It ended with an error and is no dead letter (an interactive run).
+    FAILED = "failed"
+    #: It ended as a dead letter: it runs again only if an operator replays it.
+    DEAD_LETTERED = "dead_lettered"
+    #: A person rejected it, or nobody decided in time; nothing ran.
+    REJECTED = "rejected"
+    #: Revoked, or its ``expires`` passed, before or while it ran.
+    REVOKED = "revoked"
+    #: Never published: its arguments do not fit the tool, or its id is
+    #: another call's (``CallIdConflict``).
+    REFUSED = "refused"
+
+    @property
+    def ended(self) -> bool:
+        """True once the call will change no more (without an operator)."""
+        return self in _ENDED
+
+    @property
+    def is_error(self) -> bool:
+        """True for an ending the agent must be told is an error."""
+        return self in _ERRORS
+
+
+_ENDED = frozenset({CallStatus.SUCCEEDED, CallStatus.FAILED, CallStatus.DEAD_LETTERED,
+                    CallStatus.REJECTED, CallStatus.REVOKED, CallStatus.REFUSED})
+_ERRORS = _ENDED - {CallStatus.SUCCEEDED}

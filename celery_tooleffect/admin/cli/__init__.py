@@ -23,8 +23,10 @@ Commands, one module each::
     audit tail [--count N] [--follow] [--json]
     tools [--json]
     flower [flower options]
+    mcp [--transport stdio|streamable-http] [--host H] [--port P] [--tool PATTERN]...
+        [--token-env NAME]
 
-(:mod:`.dlq`, :mod:`.approvals`, :mod:`.audit`, :mod:`.tools`, :mod:`.flower`;
+(:mod:`.dlq`, :mod:`.approvals`, :mod:`.audit`, :mod:`.tools`, :mod:`.flower`, :mod:`.mcp`;
 what they share, :mod:`.base`; the filters' choices come from the enums,
 :mod:`celery_tooleffect.admin.filters`.)
 
@@ -43,7 +45,8 @@ decision (``--by`` names someone else).
 
 Every ``celery`` command imports this package (through the entry point). It
 loads the package's admin modules, but never Flower or tornado: only the
-``flower`` command imports them, when it runs.
+``flower`` command imports them, when it runs; likewise only ``mcp``
+imports the ``mcp`` SDK.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from .audit import audit
 from .base import ToolEffectGroup
 from .dlq import dlq
 from .flower import flower_command
+from .mcp import mcp_command
 from .tools import tools_command
 
 __all__ = ["main", "tooleffect"]
@@ -69,7 +73,7 @@ def tooleffect() -> None:
     """celery-tooleffect: dead letters, approvals, audit trails, Flower with a Dead letters page."""
 
 
-for _command in (dlq, approvals, audit, tools_command, flower_command):
+for _command in (dlq, approvals, audit, tools_command, flower_command, mcp_command):
     tooleffect.add_command(_command)
 
 

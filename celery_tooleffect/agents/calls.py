@@ -1,0 +1,360 @@
+"""An agent's tool call, from its arguments to what the model is told.
+
+:class:`ToolCaller` is what every agent integration shares (the MCP server and
+each SDK adapter): it validates the arguments with the tool's
+:class:`~celery_tooleffect.agents.schema.ToolSpec`, publishes the task with
+the agent's call id and run id as its identity (``apply_async(call_id=,
+run_id=)``: a resend is the same call, acknowledged without running once it
+ended), waits for it without blocking the event loop, and answers with a
+:class:`CallReport`: how the call stands (:class:`~celery_tooleffect.states.CallStatus`)
+and, once it ended, its result, or the failure class, dead-letter reason and
+task id of its error.
+
+Waiting uses Celery's own ``AsyncResult.get()`` (on a Redis result backend it
+wakes on the result's PUBLISH), one tick at a time in a worker thread, so that
+a call that is still queued, running or parked can be reported while it waits.
+A call parked for approval is answered after ``approval_wait`` seconds with
+AWAITING_APPROVAL (not an error); the agent asks :meth:`ToolCaller.status`
+later. A caller that goes away (a client that disconnects, a cancelled agent
+run) leaves the call running: it is in Celery's hands, and its status says
+how it ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+from celery import states as celery_states
+from celery.exceptions import TimeoutError as ResultTimeout
+
+from ..errors import (
+    ApprovalRejected,
+    CallIdConflict,
+    DeadLettered,
+    InvalidCallId,
+    InvalidToolArguments,
+)
+from ..states import ApprovalState, CallStatus, JournalState
+from ..store.journal import JournalRef
+from ..store.runtime import runtime_for
+from ..task import ToolTask
+from .schema import MAX_ARGUMENT_BYTES, ToolSpec
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+#: The name of the status tool an agent asks about a call it was told to ask
+#: about later (awaiting approval, still running, a disconnected client).
+STATUS_TOOL = "tooleffect_call_status"
+
+#: How long a FAILURE waits for its dead letter: the worker's main process
+#: stores it right after the pool stored the result (``docs/guide.md``,
+#: "What a failed call's result holds").
+LETTER_WAIT = 5.0
+
+Progress = Callable[["CallReport"], Coroutine[Any, Any, None]]
+
+
+@dataclass(frozen=True)
+class CallReport:
+    """How a call stands, and what the model is told about it."""
+
+    task_id: str
+    tool: str
+    status: CallStatus
+    run_id: str = ""
+    #: The agent's id of the call (its tool-call id or idempotency key), if any.
+    call_id: str = ""
+    #: The tool's result (SUCCEEDED only).
+    result: Any = None
+    #: The error's type and text (every error status).
+    error_type: str = ""
+    error: str = ""
+    #: The failure class and dead-letter reason (DEAD_LETTERED; FAILED: the class).
+    failure_class: str = ""
+    dead_letter_reason: str = ""
+    #: For invalid arguments: each field that does not fit, and why.
+    invalid: tuple[dict[str, Any], ...] = field(default=())
+
+    @property
+    def is_error(self) -> bool:
+        """True when the model must be told the call failed."""
+        return self.status.is_error
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe: the ``structuredContent`` of an error or of a call that
+        has not ended, and the status tool's answer."""
+        data: dict[str, Any] = {"status": self.status.value, "tool": self.tool,
+                                "task_id": self.task_id}
+        if self.run_id:
+            data["run_id"] = self.run_id
+        if self.call_id:
+            data["call_id"] = self.call_id
+        if self.status is CallStatus.SUCCEEDED:
+            data["result"] = self.result
+        for name in ("error_type", "error", "failure_class", "dead_letter_reason"):
+            if getattr(self, name):
+                data[name] = getattr(self, name)
+        if self.invalid:
+            data["invalid_arguments"] = list(self.invalid)
+        data["message"] = self.message()
+        return data
+
+    def message(self) -> str:
+        """What the model reads: the result, or what happened and what to do."""
+        status, tool, task = self.status, self.tool, self.task_id
+        if status is CallStatus.SUCCEEDED:
+            return self.result if isinstance(self.result, str) else _json(self.result)
+        if status is CallStatus.AWAITING_APPROVAL:
+            return (f"{tool} is waiting for a person's approval; nothing of it has run. "
+                    f"Do not call it again: ask {STATUS_TOOL} with task_id {task} later.")
+        if status in (CallStatus.QUEUED, CallStatus.RUNNING):
+            return (f"{tool} is {status.value} and has not ended yet. Do not call it again: "
+                    f"ask {STATUS_TOOL} with task_id {task} later.")
+        if status is CallStatus.REFUSED:
+            error = self.error.removeprefix(f"{tool}: ")
+            return f"{tool} was not called: {error}"
+        if status is CallStatus.REJECTED:
+            return (f"{tool} was rejected: a person did not approve it ({self.error}). "
+                    f"Nothing of it ran (task_id {task}).")
+        if status is CallStatus.REVOKED:
+            return f"{tool} was cancelled by an operator (task_id {task})."
+        said = f"{self.error_type}: {self.error}" if self.error_type else self.error
+        if status is CallStatus.DEAD_LETTERED:
+            after = (" It may or may not have taken effect; do not call it again."
+                     if self.dead_letter_reason in ("interrupted_write", "revoked") else
+                     " It will not be retried; do not call it again with the same arguments.")
+            return (f"{tool} failed ({self.failure_class}) and was dead-lettered "
+                    f"({self.dead_letter_reason}): {said}.{after} An operator can inspect "
+                    f"task_id {task}.")
+        return f"{tool} failed ({self.failure_class or 'error'}): {said} (task_id {task})."
+
+
+class ToolCaller:
+    """Calls ``app``'s tools for an agent: validate, publish, wait, report.
+
+    ``approval_wait``: seconds a call parked for approval is waited for before
+    the answer is AWAITING_APPROVAL; ``result_wait``: seconds any other call
+    is waited for before the answer is its status (QUEUED or RUNNING), never
+    an error; ``tick``: how often a waiting call's status is read (and
+    reported as progress); ``max_argument_bytes``: the largest arguments a
+    call takes.
+    """
+
+    def __init__(self, app: Celery, *, approval_wait: float = 30.0,
+                 result_wait: float = 300.0, tick: float = 1.0,
+                 max_argument_bytes: int = MAX_ARGUMENT_BYTES,
+                 waiting_threads: int = 100) -> None:
+        self.app = app
+        self.approval_wait = approval_wait
+        self.result_wait = result_wait
+        self.tick = tick
+        self.max_argument_bytes = max_argument_bytes
+        self.waiting_threads = waiting_threads
+        self._specs: dict[str, ToolSpec] = {}
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    @classmethod
+    def for_app(cls, app: Celery) -> ToolCaller:
+        """The app's caller, with the waits and limits of its settings
+        (``tooleffect_agent_*``): one per app, shared by the adapters."""
+        caller = _callers.get(app)
+        if caller is None:
+            settings = runtime_for(app).settings
+            caller = cls(app, approval_wait=settings.agent_approval_wait,
+                         result_wait=settings.agent_result_wait,
+                         max_argument_bytes=settings.agent_max_argument_bytes)
+            _callers[app] = caller
+        return caller
+
+    # -- the tools ------------------------------------------------------------
+
+    def tools(self, patterns: Iterable[str] = ()) -> list[ToolTask]:
+        """The app's tools (every ToolTask but Celery's own), by name, those
+        whose name matches one of ``patterns`` (``fnmatch``) if any are given."""
+        self.app.loader.import_default_modules()
+        self.app.finalize(auto=True)
+        wanted = list(patterns)
+        return sorted(
+            (task for name, task in self.app.tasks.items()
+             if isinstance(task, ToolTask) and not task._tooleffect_plain
+             and (not wanted or any(fnmatch.fnmatchcase(name, p) for p in wanted))),
+            key=lambda task: str(task.name),
+        )
+
+    def spec(self, tool: ToolTask | str) -> ToolSpec:
+        """The tool's :class:`ToolSpec` (built once; ``ToolSchemaError`` if it
+        cannot be described, ``KeyError`` for a name that is no tool)."""
+        name = tool if isinstance(tool, str) else str(tool.name)
+        spec = self._specs.get(name)
+        if spec is None:
+            task = self.app.tasks[name] if isinstance(tool, str) else tool
+            if not isinstance(task, ToolTask) or task._tooleffect_plain:
+                raise KeyError(f"{name} is no tool")
+            spec = ToolSpec.of(task, max_argument_bytes=self.max_argument_bytes)
+            self._specs[name] = spec
+        return spec
+
+    # -- calling --------------------------------------------------------------
+
+    async def call(self, tool: ToolTask | str, arguments: Any, *, call_id: str | None = None,
+                   run_id: str | None = None, progress: Progress | None = None) -> CallReport:
+        """Call ``tool`` with an agent's ``arguments`` (a mapping or its JSON)
+        and wait for it, reporting each change of status to ``progress``.
+        ``call_id`` (the agent's tool-call id or an idempotency key) and
+        ``run_id`` make the call's task id: the same pair is the same call.
+        Invalid arguments, an id that is another call's, or a broker that
+        refuses the message answer REFUSED: nothing was published."""
+        spec = self.spec(tool)
+        name = spec.name
+        try:
+            kwargs = spec.validate(arguments)
+        except InvalidToolArguments as exc:
+            return CallReport("", name, CallStatus.REFUSED, run_id or "", call_id or "",
+                              error_type="InvalidToolArguments", error=str(exc),
+                              failure_class="client_error", invalid=tuple(exc.errors))
+        try:
+            task_id = await anyio.to_thread.run_sync(self.publish, name, kwargs, call_id, run_id)
+        except (CallIdConflict, InvalidCallId) as exc:
+            return CallReport(getattr(exc, "task_id", "") or "", name, CallStatus.REFUSED,
+                              run_id or "", call_id or "", error_type=type(exc).__name__,
+                              error=str(exc), failure_class="client_error")
+        return await self.wait(task_id, tool=name, run_id=run_id or "", call_id=call_id or "",
+                               progress=progress)
+
+    def publish(self, tool: str, kwargs: dict[str, Any], call_id: str | None = None,
+                run_id: str | None = None) -> str:
+        """Publish the call (blocking): its task id. ``CallIdConflict`` or
+        ``InvalidCallId`` when its identity cannot be this call's."""
+        options: dict[str, Any] = {}
+        if call_id is not None:
+            options["call_id"] = call_id
+        if run_id is not None:
+            options["run_id"] = run_id
+        return str(self.app.tasks[tool].apply_async(kwargs=kwargs, **options).id)
+
+    async def wait(self, task_id: str, *, tool: str = "", run_id: str = "", call_id: str = "",
+                   progress: Progress | None = None, result_wait: float | None = None,
+                   ) -> CallReport:
+        """Wait for ``task_id`` until it ends, until ``approval_wait`` passed while
+        it is parked, or until ``result_wait`` (default the caller's) passed."""
+        stop = threading.Event()
+        changes: Callable[[CallReport], None] | None = None
+        if progress is not None:
+            def changes(report: CallReport) -> None:
+                if not stop.is_set():
+                    # The caller's loop may have gone away: the call is waited for still.
+                    with contextlib.suppress(Exception):
+                        anyio.from_thread.run(progress, report)
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.waiting_threads)
+        try:
+            return await anyio.to_thread.run_sync(
+                self._wait, task_id, tool, run_id, call_id, changes,
+                self.result_wait if result_wait is None else result_wait, stop,
+                limiter=self._limiter, abandon_on_cancel=True,
+            )
+        finally:
+            stop.set()
+
+    async def status(self, task_id: str, *, run_id: str = "") -> CallReport:
+        """How ``task_id`` stands now (the status tool's answer)."""
+        return await anyio.to_thread.run_sync(self.observe, task_id, "", run_id, "", 0.0)
+
+    # -- reading (blocking, in a worker thread) --------------------------------
+
+    def _wait(self, task_id: str, tool: str, run_id: str, call_id: str,
+              changes: Callable[[CallReport], None] | None, result_wait: float,
+              stop: threading.Event) -> CallReport:
+        started = time.monotonic()
+        last: CallStatus | None = None
+        while True:
+            report = self.observe(task_id, tool, run_id, call_id, self.tick)
+            waited = time.monotonic() - started
+            if report.status.ended or stop.is_set():
+                return report
+            if report.status is not last and changes is not None:
+                changes(report)
+            last = report.status
+            if report.status is CallStatus.AWAITING_APPROVAL and waited >= self.approval_wait:
+                return report
+            if waited >= result_wait:
+                return report
+
+    def observe(self, task_id: str, tool: str = "", run_id: str = "", call_id: str = "",
+                wait: float = 0.0) -> CallReport:
+        """How ``task_id`` stands, after waiting up to ``wait`` seconds for its
+        result (blocking)."""
+        result = self.app.AsyncResult(task_id)
+        try:
+            if wait > 0:
+                with contextlib.suppress(ResultTimeout):  # not ready yet: say how it stands
+                    result.get(timeout=wait, propagate=False, disable_sync_subtasks=False)
+            state = result.state
+            value = result.result if state in celery_states.READY_STATES else None
+        finally:
+            remove = getattr(result.backend, "remove_pending_result", None)
+            if remove is not None:  # an async backend's subscription of a result not ready
+                remove(result)
+        runtime = runtime_for(self.app)
+        base = CallReport(task_id, tool or str(getattr(result, "name", None) or ""),
+                          CallStatus.QUEUED, run_id, call_id)
+        if state == celery_states.SUCCESS:
+            return replace(base, status=CallStatus.SUCCEEDED, result=value)
+        if state == celery_states.REVOKED:
+            return replace(base, status=CallStatus.REVOKED, error_type="TaskRevokedError",
+                           error=str(value))
+        if state == celery_states.FAILURE and isinstance(value, ApprovalRejected):
+            return replace(base, status=CallStatus.REJECTED, error_type="ApprovalRejected",
+                           error=str(value), failure_class="client_error")
+        letter = runtime.dead_letters.get(task_id)
+        if state == celery_states.FAILURE and letter is None:
+            deadline = time.monotonic() + LETTER_WAIT
+            while letter is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                letter = runtime.dead_letters.get(task_id)
+        if letter is not None:
+            error_type = letter.exception_type or (type(value).__name__ if value else "")
+            return replace(
+                base, status=CallStatus.DEAD_LETTERED, tool=base.tool or letter.name,
+                run_id=run_id or letter.run_id, error_type=error_type.rsplit(".", 1)[-1],
+                error=letter.error or str(value or ""), failure_class=letter.failure_class,
+                dead_letter_reason=letter.reason)
+        if state == celery_states.FAILURE:
+            failure_class = (value.failure_class if isinstance(value, DeadLettered)
+                             else runtime.classifier.classify(value).value
+                             if isinstance(value, BaseException) else "unknown")
+            return replace(base, status=CallStatus.FAILED, error_type=type(value).__name__,
+                           error=str(value), failure_class=failure_class)
+        approval = runtime.approvals.get(task_id)
+        if approval is not None and approval.state is ApprovalState.PENDING:
+            return replace(base, status=CallStatus.AWAITING_APPROVAL,
+                           tool=base.tool or approval.name, run_id=run_id or approval.run_id)
+        if state in (celery_states.STARTED, celery_states.RETRY):
+            return replace(base, status=CallStatus.RUNNING)
+        if run_id:
+            entry = runtime.journal.read(JournalRef(run_id, task_id))
+            if entry.get("state") in (JournalState.RUNNING, JournalState.RETRY_SCHEDULED):
+                return replace(base, status=CallStatus.RUNNING)
+        return base
+
+
+_callers: weakref.WeakKeyDictionary[Any, ToolCaller] = weakref.WeakKeyDictionary()
+
+
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)

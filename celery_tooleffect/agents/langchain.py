@@ -1,0 +1,92 @@
+"""ToolTasks as LangChain tools, for LangGraph agents (extra ``langchain``).
+
+:func:`langchain_tool` makes a ``StructuredTool`` whose ``args_schema`` is the
+tool's own argument model; its call is the tool's task, published with the
+model's tool-call id (LangChain's ``InjectedToolCallId``) as the call id and
+the graph's ``thread_id`` as the run id, so that the same tool call is the
+same task: a resumed or re-run graph never runs a write twice. Every ending
+the model must hear of (a failure, a dead letter, a rejection, invalid
+arguments) is raised as a ``ToolException`` that the tool turns into a
+``ToolMessage`` with ``status="error"`` (``handle_tool_error``); the graph
+goes on. The call's report is the message's ``artifact``.
+
+LangGraph's ``interrupt()`` stops a graph for a person *before* a node runs,
+and re-runs the whole node when resumed; the package's ``requires_approval``
+parks the published call for an operator. Both combine: a resumed node calls
+the tool again with the same tool-call id, which is the same call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Annotated, Any
+
+import pydantic
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import InjectedToolCallId, StructuredTool, ToolException
+
+from ..errors import ToolSchemaError
+from ..task import ToolTask
+from .calls import STATUS_TOOL, ToolCaller
+
+__all__ = ["langchain_status_tool", "langchain_tool", "langchain_tools"]
+
+#: Names LangChain's injection takes for itself.
+_RESERVED = frozenset({"tool_call_id", "config", "runtime", "callbacks", "run_manager"})
+
+
+def langchain_tool(task: ToolTask, *, caller: ToolCaller | None = None,
+                   name: str | None = None) -> StructuredTool:
+    """The ``StructuredTool`` of ``task`` (async only: ``ainvoke``; named like
+    the task, ``.`` as ``_``, unless ``name=`` chooses another)."""
+    caller = caller or ToolCaller.for_app(task.app)
+    spec = caller.spec(task)
+    clash = sorted(_RESERVED & set(spec.input_schema.get("properties", {})))
+    if clash:
+        raise ToolSchemaError(f"{spec.name}: LangChain reserves the argument name(s) "
+                              f"{', '.join(clash)}")
+    arguments = pydantic.create_model(
+        f"{spec.function_name}_call", __base__=spec.arguments_model,
+        tool_call_id=(Annotated[str, InjectedToolCallId], ...),
+    )
+
+    async def call(tool_call_id: str, config: RunnableConfig, **given: Any) -> tuple[str, Any]:
+        report = await caller.call(spec.name, given, call_id=tool_call_id or None,
+                                   run_id=thread_id_of(config))
+        if report.is_error:
+            raise ToolException(report.message())
+        return report.message(), report.to_dict()
+
+    return StructuredTool(
+        name=name or spec.function_name, description=spec.description, args_schema=arguments,
+        coroutine=call, handle_tool_error=True, response_format="content_and_artifact",
+        metadata={"tooleffect_effect": spec.effect.value, "tooleffect_task": spec.name},
+    )
+
+
+def langchain_status_tool(caller: ToolCaller) -> StructuredTool:
+    """The status tool: how an earlier call stands, by its task id."""
+
+    async def status(task_id: str, config: RunnableConfig) -> tuple[str, Any]:
+        report = await caller.status(task_id, run_id=thread_id_of(config) or "")
+        return report.message(), report.to_dict()
+
+    return StructuredTool.from_function(
+        coroutine=status, name=STATUS_TOOL, response_format="content_and_artifact",
+        description=("How an earlier tool call that answered it is waiting or still running "
+                     "stands now, by its task_id."),
+    )
+
+
+def langchain_tools(app: Any, patterns: Iterable[str] = ()) -> list[StructuredTool]:
+    """Every tool of ``app`` (those matching ``patterns``), and the status tool."""
+    caller = ToolCaller.for_app(app)
+    return [*(langchain_tool(task, caller=caller) for task in caller.tools(patterns)),
+            langchain_status_tool(caller)]
+
+
+def thread_id_of(config: RunnableConfig | None) -> str | None:
+    """The graph's ``thread_id`` (``config["configurable"]``), if it has one."""
+    configurable = (config or {}).get("configurable") or {}
+    value = configurable.get("thread_id")
+    return str(value) if value else None

@@ -1,0 +1,250 @@
+"""The app's tools as an MCP server (``celery -A app tooleffect mcp``), on the
+official ``mcp`` SDK's low-level ``Server`` (extra ``mcp``).
+
+Each tool is listed with the schema, title, description and annotations of its
+:class:`~celery_tooleffect.agents.schema.ToolSpec`; ``tools/call`` publishes
+the task through :class:`~celery_tooleffect.agents.calls.ToolCaller` and
+answers with a :class:`~celery_tooleffect.agents.calls.CallReport`: its
+message as text, the report as ``structuredContent``, ``isError`` for every
+failed ending (a failure, a dead letter, a rejection, arguments that do not
+fit). Progress notifications follow the call while it is queued, running or
+parked. One more tool, ``tooleffect_call_status``, answers how an earlier call
+stands. Operator actions (replay, purge, approve) are never tools.
+
+A call's identity (``docs/identity.md``) comes from the request's ``_meta``:
+
+- ``idempotencyKey``: the call id; a call resent with the same key (and run)
+  is the same call, answered with its first outcome, never run twice. Without
+  one, every request is a new call.
+- ``runId``: the run; else the MCP session (``Mcp-Session-Id`` over stateful
+  HTTP), else the server process's own id (stdio: one session per process).
+
+Over streamable HTTP the server asks every request for ``Authorization:
+Bearer <tooleffect_mcp_token>``; only on a loopback address may it run
+without a token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+import ipaddress
+import logging
+import uuid
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import mcp_types as types
+from mcp.server import Server, ServerRequestContext
+from mcp.shared.exceptions import MCPError
+
+from ..errors import ConfigurationError
+from .calls import STATUS_TOOL, CallReport, ToolCaller
+from .schema import ToolSpec
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+#: ``_meta`` keys of a ``tools/call`` request that name the call and its run.
+IDEMPOTENCY_KEY = "idempotencyKey"
+RUN_ID_KEY = "runId"
+
+_STATUS_INPUT = {
+    "type": "object",
+    "properties": {
+        "task_id": {"type": "string", "description": "The task id a call answered with."},
+        "run_id": {"type": "string",
+                   "description": "The call's run id, if it was given one (_meta runId)."},
+    },
+    "required": ["task_id"],
+    "additionalProperties": False,
+}
+
+
+class ToolServer:
+    """An MCP server of ``app``'s tools (those matching ``patterns``, else all).
+
+    Building it describes every tool: a tool whose signature cannot be
+    described raises :class:`~celery_tooleffect.errors.ToolSchemaError` here,
+    before the server serves anything.
+    """
+
+    def __init__(self, app: Celery, *, patterns: Iterable[str] = (),
+                 caller: ToolCaller | None = None, name: str = "celery-tooleffect") -> None:
+        self.app = app
+        self.caller = caller or ToolCaller.for_app(app)
+        self.specs: dict[str, ToolSpec] = {
+            spec.name: spec for spec in map(self.caller.spec, self.caller.tools(patterns))}
+        if STATUS_TOOL in self.specs:
+            raise ConfigurationError(f"a tool may not be named {STATUS_TOOL}: the server's own")
+        #: The run of a request that names none and has no session (stdio).
+        self.process_run_id = uuid.uuid4().hex
+        self.server: Server[Any] = Server(
+            name, version=importlib.metadata.version("celery-tooleffect"),
+            on_list_tools=self._list_tools, on_call_tool=self._call_tool,
+            instructions=("Tools run as Celery tasks. A write is never run twice: when a "
+                          f"call answers that it is waiting or still running, ask {STATUS_TOOL}"
+                          " with its task_id instead of calling the tool again."),
+        )
+
+    # -- the tools --------------------------------------------------------------
+
+    def tools(self) -> list[types.Tool]:
+        """What ``tools/list`` answers: every tool, then the status tool."""
+        listed = [
+            types.Tool(
+                name=spec.name, title=spec.title, description=spec.description,
+                input_schema=spec.input_schema, output_schema=spec.output_schema,
+                annotations=types.ToolAnnotations(
+                    title=spec.title,
+                    read_only_hint=spec.annotations["readOnlyHint"],
+                    destructive_hint=spec.annotations["destructiveHint"],
+                    idempotent_hint=spec.annotations["idempotentHint"],
+                    open_world_hint=spec.annotations["openWorldHint"],
+                ),
+            )
+            for spec in self.specs.values()
+        ]
+        listed.append(types.Tool(
+            name=STATUS_TOOL, title="How an earlier tool call stands",
+            description=("How a call that answered 'awaiting_approval', 'queued' or 'running' "
+                         "stands now: its result once it succeeded, or why it failed."),
+            input_schema=_STATUS_INPUT,
+            annotations=types.ToolAnnotations(
+                title="How an earlier tool call stands", read_only_hint=True,
+                destructive_hint=False, idempotent_hint=True, open_world_hint=False),
+        ))
+        return listed
+
+    async def _list_tools(self, ctx: ServerRequestContext[Any],
+                          params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=self.tools())
+
+    async def _call_tool(self, ctx: ServerRequestContext[Any],
+                         params: types.CallToolRequestParams) -> types.CallToolResult:
+        meta: dict[str, Any] = dict(ctx.meta or {})
+        run_id = str(meta.get(RUN_ID_KEY) or self.session_run_id(ctx))
+        arguments = params.arguments or {}
+        if params.name == STATUS_TOOL:
+            task_id = arguments.get("task_id")
+            if not isinstance(task_id, str) or not task_id:
+                return _error_text(f"{STATUS_TOOL}: give the task_id a call answered with")
+            report = await self.caller.status(task_id, run_id=str(arguments.get("run_id")
+                                                                  or run_id))
+            return _result(report, is_error=False)
+        spec = self.specs.get(params.name)
+        if spec is None:
+            # A JSON-RPC error, as the SDK answers a method it does not know.
+            raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {params.name}")
+        call_id = meta.get(IDEMPOTENCY_KEY)
+        steps = 0
+
+        async def progress(report: CallReport) -> None:
+            nonlocal steps
+            steps += 1
+            await ctx.session.report_progress(steps, None, f"{spec.name}: {report.status.value}"
+                                              f" (task_id {report.task_id})")
+
+        report = await self.caller.call(
+            spec.name, arguments, call_id=None if call_id is None else str(call_id),
+            run_id=run_id, progress=progress)
+        return _result(report, is_error=report.is_error)
+
+    def session_run_id(self, ctx: ServerRequestContext[Any]) -> str:
+        """The run of a request without ``_meta.runId``: its MCP session over
+        stateful HTTP, else this server process's."""
+        request = ctx.request
+        session = request.headers.get("mcp-session-id") if request is not None else None
+        return str(session or self.process_run_id)
+
+    # -- serving ----------------------------------------------------------------
+
+    async def serve_stdio(self) -> None:
+        """Serve one client over standard input and output until it closes them."""
+        from mcp.server.stdio import stdio_server
+
+        async with stdio_server() as (read_stream, write_stream):
+            await self.server.run(read_stream, write_stream,
+                                  self.server.create_initialization_options())
+
+    def http_app(self, *, host: str, token: str | None, path: str = "/mcp") -> ASGIApp:
+        """The streamable HTTP app: the SDK's (DNS-rebinding protection on a
+        loopback host), behind a bearer-token check. Without ``token`` only a
+        loopback ``host`` is served (``ConfigurationError`` otherwise)."""
+        if not token and not is_loopback(host):
+            raise ConfigurationError(
+                f"the MCP server listens on {host}, beyond this machine: set "
+                "tooleffect_mcp_token (or --token-env) so that clients must present it")
+        app = self.server.streamable_http_app(streamable_http_path=path, host=host)
+        return BearerToken(app, token) if token else app
+
+    async def serve_http(self, *, host: str, port: int, token: str | None,
+                         path: str = "/mcp") -> None:
+        """Serve streamable HTTP on ``host:port`` until cancelled."""
+        import uvicorn
+
+        config = uvicorn.Config(self.http_app(host=host, token=token, path=path), host=host,
+                                port=port, log_level="warning", lifespan="on")
+        await uvicorn.Server(config).serve()
+
+    def run(self, transport: str = "stdio", *, host: str = "127.0.0.1", port: int = 8000,
+            token: str | None = None) -> None:
+        """Serve until stopped: ``stdio`` or ``streamable-http``."""
+        if transport == "stdio":
+            anyio.run(self.serve_stdio)
+        elif transport == "streamable-http":
+            anyio.run(lambda: self.serve_http(host=host, port=port, token=token))
+        else:
+            raise ConfigurationError(f"unknown MCP transport {transport!r}: "
+                                     "stdio or streamable-http")
+
+
+class BearerToken:
+    """An ASGI wrapper that answers 401 to a request without ``Authorization:
+    Bearer <token>`` (compared in constant time). Pure ASGI, so that the
+    SDK's event streams pass through untouched."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                from starlette.responses import JSONResponse
+
+                answer = JSONResponse({"error": "invalid_token",
+                                       "error_description": "a bearer token is required"},
+                                      status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await answer(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _result(report: CallReport, *, is_error: bool) -> types.CallToolResult:
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=report.message())],
+        structured_content=report.to_dict(), is_error=is_error)
+
+
+def _error_text(text: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
+                                is_error=True)
+
+
+__all__ = ["IDEMPOTENCY_KEY", "RUN_ID_KEY", "BearerToken", "ToolServer"]

@@ -1,0 +1,83 @@
+"""ToolTasks as pydantic-ai tools (extra ``pydantic-ai``).
+
+:func:`pydantic_ai_tool` makes a ``Tool`` with the tool's input schema; its
+call is the tool's task, published with ``RunContext.tool_call_id`` as the
+call id and the conversation (``RunContext.conversation_id``, which stays the
+same when a run resumes after deferred tools; else ``run_id``) as the run id,
+so that the same tool call is the same task. Arguments that do not fit raise
+``ModelRetry`` (the model can correct them); every other error ending (a
+failure, a dead letter, a rejection) raises ``ToolFailed``, which the model
+sees as a failed call that is not to be retried; the run goes on. A success
+returns the tool's result, with the call's report as the ``ToolReturn``'s
+metadata (not sent to the model).
+
+pydantic-ai's deferred tools (``requires_approval``, ``ApprovalRequired``)
+end the run until the app decides; the package's ``requires_approval`` parks
+the published call for an operator. Both combine: a call approved in
+pydantic-ai is published then, and the operator's decision still gates the
+write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic_ai import ModelRetry, RunContext, Tool, ToolFailed, ToolReturn
+
+from ..states import CallStatus
+from ..task import ToolTask
+from .calls import STATUS_TOOL, ToolCaller
+
+__all__ = ["pydantic_ai_status_tool", "pydantic_ai_tool", "pydantic_ai_tools"]
+
+
+def pydantic_ai_tool(task: ToolTask, *, caller: ToolCaller | None = None,
+                     name: str | None = None) -> Tool[Any]:
+    """The ``Tool`` of ``task`` (named like the task, ``.`` as ``_``, unless
+    ``name=`` chooses another)."""
+    caller = caller or ToolCaller.for_app(task.app)
+    spec = caller.spec(task)
+
+    async def call(ctx: RunContext[Any], **given: Any) -> Any:
+        report = await caller.call(spec.name, given, call_id=ctx.tool_call_id or None,
+                                   run_id=run_id_of(ctx))
+        if report.status is CallStatus.REFUSED and report.invalid:
+            raise ModelRetry(report.message())
+        if report.is_error:
+            raise ToolFailed(report.message())
+        if report.status is not CallStatus.SUCCEEDED:
+            return ToolReturn(report.message(), metadata=report.to_dict())
+        return ToolReturn(report.result, metadata=report.to_dict())
+
+    tool: Tool[Any] = Tool.from_schema(call, name=name or spec.function_name,
+                                       description=spec.description,
+                                       json_schema=spec.input_schema, takes_ctx=True)
+    return tool
+
+
+def pydantic_ai_status_tool(caller: ToolCaller) -> Tool[Any]:
+    """The status tool: how an earlier call stands, by its task id."""
+
+    async def status(ctx: RunContext[Any], task_id: str) -> Any:
+        report = await caller.status(task_id, run_id=run_id_of(ctx) or "")
+        return report.to_dict()
+
+    return Tool(status, name=STATUS_TOOL, takes_ctx=True,
+                description=("How an earlier tool call that answered it is waiting or still "
+                             "running stands now, by its task_id."))
+
+
+def pydantic_ai_tools(app: Any, patterns: Iterable[str] = ()) -> list[Tool[Any]]:
+    """Every tool of ``app`` (those matching ``patterns``), and the status tool."""
+    caller = ToolCaller.for_app(app)
+    return [*(pydantic_ai_tool(task, caller=caller) for task in caller.tools(patterns)),
+            pydantic_ai_status_tool(caller)]
+
+
+def run_id_of(ctx: RunContext[Any]) -> str | None:
+    """The conversation a call belongs to (stable across resumed runs), else the run."""
+    for value in (getattr(ctx, "conversation_id", None), getattr(ctx, "run_id", None)):
+        if value:
+            return str(value)
+    return None
