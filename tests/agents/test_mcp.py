@@ -1,0 +1,313 @@
+"""The MCP server (``celery -A app tooleffect mcp``) with the ``mcp`` SDK's own
+client, over stdio and streamable HTTP, against real workers on Redis."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from typing import Any
+
+import anyio
+import httpx2
+import mcp_types as types
+import pytest
+from mcp import MCPError
+
+from celery_tooleffect import DeadLetters, call_task_id
+from celery_tooleffect.agents import STATUS_TOOL
+from tests.agents.conftest import ROOT, Agents
+from tests.apps.agent_tools_app import build
+
+
+def text(result: types.CallToolResult) -> str:
+    block = result.content[0]
+    assert isinstance(block, types.TextContent)
+    return block.text
+
+
+async def until(predicate: Any, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``predicate`` without blocking the event loop."""
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.05)
+
+
+def test_tools_list_names_schemas_and_annotations_per_effect(agents: Agents) -> None:
+    async def scenario() -> list[types.Tool]:
+        async with agents.stdio() as session:
+            return (await session.list_tools()).tools
+
+    tools = {tool.name: tool for tool in anyio.run(scenario)}
+    assert sorted(tools) == ["shop.charge", "shop.quote", "shop.refund", "shop.search",
+                             "shop.send_invoice", STATUS_TOOL]
+    search, invoice, refund = tools["shop.search"], tools["shop.send_invoice"], tools["shop.refund"]
+    assert search.input_schema == {
+        "type": "object", "additionalProperties": False, "required": ["query"],
+        "properties": {"query": {"type": "string", "title": "Query",
+                                 "description": "What to look for"},
+                       "limit": {"type": "integer", "title": "Limit", "default": 3}}}
+    assert search.description == "Search the catalog. Changes nothing."
+    assert search.output_schema is not None
+    assert search.output_schema["properties"]["result"] == {"type": "array",
+                                                           "items": {"type": "string"}}
+    quote = tools["shop.quote"].output_schema
+    assert quote is not None and quote["properties"]["result"]["required"] == ["sku", "cents"]
+    assert refund.input_schema["properties"]["reason"]["enum"] == ["damaged", "late"]
+    hints = {name: (tool.annotations.read_only_hint, tool.annotations.destructive_hint,
+                    tool.annotations.idempotent_hint, tool.annotations.open_world_hint)
+             for name, tool in tools.items() if tool.annotations is not None}
+    assert hints["shop.search"] == (True, False, True, True)
+    assert hints["shop.refund"] == (False, True, True, True)
+    assert hints["shop.send_invoice"] == (False, True, False, True)
+    assert hints[STATUS_TOOL] == (True, False, True, False)
+    assert invoice.annotations is not None and invoice.annotations.title == (
+        "Send an invoice: doing it twice sends two.")
+    # Operator actions are never tools.
+    assert not [name for name in tools if any(word in name for word in
+                                               ("replay", "purge", "approve", "reject"))]
+
+
+def test_a_read_and_a_write_answer_their_results_with_progress(agents: Agents) -> None:
+    agents.worker()
+    agents.hold("inv-1")
+    progress: list[str] = []
+
+    async def scenario() -> tuple[types.CallToolResult, types.CallToolResult]:
+        async with agents.stdio() as session:
+            read = await session.call_tool("shop.search", {"query": "cable", "limit": 2})
+            answers: list[types.CallToolResult] = []
+
+            async def on_progress(done: float, total: float | None, message: str | None) -> None:
+                progress.append(message or "")
+
+            async def write() -> None:
+                answers.append(await session.call_tool(
+                    "shop.send_invoice", {"key": "inv-1", "cents": 1999},
+                    progress_callback=on_progress))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(write)
+                await until(lambda: agents.runs("inv-1") == 1)
+                await until(lambda: any("running" in line for line in progress))
+                agents.release("inv-1")
+            return read, answers[0]
+
+    read, write = anyio.run(scenario)
+    assert not read.is_error
+    assert read.structured_content is not None
+    assert read.structured_content["result"] == ["cable-0", "cable-1"]
+    assert read.structured_content["status"] == "succeeded"
+    assert text(read) == '["cable-0", "cable-1"]'
+    assert not write.is_error and text(write) == "INV-inv-1-1"
+    assert write.structured_content is not None
+    task_id = write.structured_content["task_id"]
+    assert any(f"shop.send_invoice: running (task_id {task_id})" == line for line in progress)
+    assert agents.runs("inv-1") == 1
+
+
+def test_a_failing_write_is_an_error_result_naming_class_reason_and_task(
+        agents: Agents) -> None:
+    agents.worker()
+
+    async def scenario() -> types.CallToolResult:
+        async with agents.stdio() as session:
+            return await session.call_tool("shop.charge", {"key": "big", "cents": 500_000})
+
+    result = anyio.run(scenario)
+    assert result.is_error
+    content = result.structured_content
+    assert content is not None
+    assert (content["status"], content["failure_class"], content["dead_letter_reason"],
+            content["error_type"]) == ("dead_lettered", "client_error", "not_retryable",
+                                       "CardDeclined")
+    assert content["task_id"] in text(result) and "not_retryable" in text(result)
+    letter = DeadLetters(build(agents.prefix)).get(content["task_id"])
+    assert letter is not None and letter.name == "shop.charge"
+    assert agents.runs("big") == 1
+
+
+def test_an_approval_waits_then_the_status_tool_answers_once_approved(agents: Agents) -> None:
+    agents.worker()
+
+    async def scenario() -> tuple[types.CallToolResult, types.CallToolResult]:
+        async with agents.stdio() as session:
+            parked = await session.call_tool("shop.refund", {"key": "r1", "cents": 700})
+            assert parked.structured_content is not None
+            task_id = parked.structured_content["task_id"]
+            assert agents.runs("r1") == 0
+            approved = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                agents.command("approvals", "approve", task_id, "--by", "test",
+                               "--reason", "checked"),
+                env={**os.environ, **agents.env}, capture_output=True,
+                text=True, timeout=60, cwd=str(ROOT)))
+            assert approved.returncode == 0, approved.stdout + approved.stderr
+            answer = None
+            with anyio.fail_after(30):
+                while True:
+                    answer = await session.call_tool(STATUS_TOOL, {"task_id": task_id})
+                    assert answer.structured_content is not None
+                    if answer.structured_content["status"] == "succeeded":
+                        break
+                    await anyio.sleep(0.2)
+            return parked, answer
+
+    parked, status = anyio.run(scenario)
+    assert not parked.is_error
+    assert parked.structured_content is not None
+    assert parked.structured_content["status"] == "awaiting_approval"
+    assert "waiting for a person's approval" in text(parked)
+    assert STATUS_TOOL in text(parked)
+    assert not status.is_error
+    assert status.structured_content is not None
+    assert status.structured_content["result"] == "refunded 700 (late)"
+    assert agents.runs("r1") == 1
+
+
+def test_a_call_resent_after_the_worker_died_mid_write_ran_once(agents: Agents) -> None:
+    """SIGKILL of the worker while the write's body runs; the client gives up
+    and sends the same call again (same idempotency key and run) in a new
+    session: it is the same task, dead-lettered as an interrupted write, and
+    the body ran once."""
+    first = agents.worker()
+    agents.hold("inv-k")
+    meta = {"idempotencyKey": "call-7", "runId": "run-42"}
+    arguments = {"key": "inv-k", "cents": 500}
+
+    async def first_session() -> None:
+        async with agents.stdio() as session, anyio.create_task_group() as group:
+            group.start_soon(lambda: session.call_tool("shop.send_invoice", arguments,
+                                                       meta=meta))
+            await until(lambda: agents.runs("inv-k") == 1)
+            first.kill()
+            group.cancel_scope.cancel()  # the client gives up on the call
+
+    anyio.run(first_session)
+    agents.release("inv-k")
+    agents.worker()
+
+    async def second_session() -> types.CallToolResult:
+        async with agents.stdio() as session:
+            return await session.call_tool("shop.send_invoice", arguments, meta=meta)
+
+    result = anyio.run(second_session)
+    assert result.is_error
+    content = result.structured_content
+    assert content is not None
+    assert content["task_id"] == call_task_id("call-7", "run-42")
+    assert (content["status"], content["dead_letter_reason"]) == ("dead_lettered",
+                                                                  "interrupted_write")
+    assert "may or may not have taken effect" in text(result)
+    assert agents.runs("inv-k") == 1
+
+
+@pytest.mark.parametrize(("arguments", "field"), [
+    ({"key": "b1"}, "cents: Field required"),
+    ({"key": "b1", "cents": "many"}, "cents: Input should be a valid integer"),
+    ({"key": "b1", "cents": 1, "coupon": "x"}, "coupon: Extra inputs are not permitted"),
+    ({"key": "b1" * 3000, "cents": 1}, "bytes of JSON; a call takes at most 4096"),
+])
+def test_bad_arguments_are_an_error_naming_the_field_and_nothing_is_published(
+        agents: Agents, arguments: dict[str, Any], field: str) -> None:
+    async def scenario() -> types.CallToolResult:
+        async with agents.stdio() as session:
+            return await session.call_tool("shop.send_invoice", arguments)
+
+    result = anyio.run(scenario)
+    assert result.is_error
+    assert field in text(result)
+    assert result.structured_content is not None
+    assert result.structured_content["status"] == "refused"
+    assert result.structured_content["task_id"] == ""
+    # No worker runs: a published call would sit in the queue.
+    assert agents.redis.llen(f"{agents.prefix}tools") == 0
+    assert not agents.redis.keys(f"{agents.prefix}*")
+
+
+def test_an_unknown_tool_is_a_protocol_error(agents: Agents) -> None:
+    async def scenario() -> MCPError:
+        async with agents.stdio() as session:
+            with pytest.raises(MCPError) as raised:
+                await session.call_tool("shop.nope", {})
+            return raised.value
+
+    error = anyio.run(scenario)
+    assert error.code == types.INVALID_PARAMS
+    assert "Unknown tool: shop.nope" in error.message
+
+
+def test_a_client_that_disconnects_mid_call_finds_it_with_the_status_tool(
+        agents: Agents) -> None:
+    agents.worker()
+    agents.hold("inv-d")
+    seen: list[str] = []
+
+    async def leave() -> None:
+        async def on_progress(done: float, total: float | None, message: str | None) -> None:
+            seen.append(message or "")
+
+        async with agents.stdio() as session, anyio.create_task_group() as group:
+            group.start_soon(lambda: session.call_tool(
+                "shop.send_invoice", {"key": "inv-d", "cents": 1}, progress_callback=on_progress))
+            await until(lambda: any("running" in line for line in seen))
+            group.cancel_scope.cancel()
+
+    anyio.run(leave)  # the server process ends with its client
+    task_id = seen[-1].rsplit("task_id ", 1)[1].rstrip(")")
+    agents.release("inv-d")
+
+    async def ask() -> types.CallToolResult:
+        async with agents.stdio() as session:
+            with anyio.fail_after(30):
+                while True:
+                    answer = await session.call_tool(STATUS_TOOL, {"task_id": task_id})
+                    assert answer.structured_content is not None
+                    if answer.structured_content["status"] == "succeeded":
+                        return answer
+                    await anyio.sleep(0.1)
+
+    answer = anyio.run(ask)
+    assert answer.structured_content is not None
+    assert answer.structured_content["result"] == "INV-inv-d-1"
+    assert agents.runs("inv-d") == 1
+
+
+def test_streamable_http_asks_for_the_bearer_token(agents: Agents) -> None:
+    agents.worker()
+    url = agents.http_server()
+    refused = httpx2.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                          headers={"Accept": "application/json, text/event-stream"})
+    assert refused.status_code == 401
+    wrong = httpx2.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                        headers={"Authorization": "Bearer guess"})
+    assert wrong.status_code == 401
+
+    async def scenario() -> tuple[list[str], types.CallToolResult]:
+        async with agents.http(url) as session:
+            names = [tool.name for tool in (await session.list_tools()).tools]
+            return names, await session.call_tool("shop.quote", {"sku": "hdmi"})
+
+    names, quote = anyio.run(scenario)
+    assert "shop.send_invoice" in names
+    assert not quote.is_error
+    assert quote.structured_content is not None
+    assert quote.structured_content["result"] == {"sku": "hdmi", "cents": 1999}
+
+
+def test_streamable_http_beyond_loopback_needs_a_token(agents: Agents) -> None:
+    refused = subprocess.run(
+        agents.command("mcp", "--transport", "streamable-http", "--host", "0.0.0.0"),
+        env={**os.environ, **agents.env}, capture_output=True, text=True,
+        timeout=60, cwd=str(ROOT))
+    assert refused.returncode == 1
+    assert "set tooleffect_mcp_token (or --token-env)" in refused.stderr
+
+
+def test_a_tool_whose_signature_cannot_be_described_is_refused_at_start(
+        agents: Agents) -> None:
+    refused = subprocess.run(
+        agents.command("mcp"), env={**os.environ, **agents.env,
+                                    "TE_UNTYPED_TOOL": "1"},
+        capture_output=True, text=True, timeout=60, input="",
+        cwd=str(ROOT))
+    assert refused.returncode == 1
+    assert "shop.untyped: parameter 'key' has no type annotation" in refused.stderr
