@@ -82,6 +82,8 @@ class ToolSpec:
         signature an agent cannot be told: a parameter without a type
         annotation, ``*args``/``**kwargs``, a positional-only parameter, or a
         type pydantic cannot describe as JSON Schema."""
+        # ``@app.task`` before the app is finalized answers a proxy (celery.local).
+        task = getattr(task, "_get_current_object", lambda: task)()
         name = str(task.name)
         run = task.run
         try:
