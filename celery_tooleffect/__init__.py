@@ -23,6 +23,7 @@ from .errors import (
     IntentNotRecorded,
     InterruptedWrite,
     InvalidCallId,
+    InvalidToolArguments,
     LeaseLost,
     LeaseNotSecured,
     NoSideEffect,
@@ -33,6 +34,7 @@ from .errors import (
     TaskRevokedWhileRunning,
     ToolContextError,
     ToolDeclarationError,
+    ToolSchemaError,
     ToolEffectError,
 )
 from .events import AuditEvent
@@ -40,7 +42,7 @@ from .failures import FailureClass, FailureClassifier
 from .identity import call_task_id
 from .reconciliation import ReconcileStatus, Reconciliation
 from .signals import approval_requested
-from .states import ApprovalState, DeadLetterReason, JournalState
+from .states import ApprovalState, CallStatus, DeadLetterReason, JournalState
 from .store.approvals import Approval
 from .store.audit import AuditLog
 from .store.dead_letters import DeadLetter, DeadLetters
@@ -52,6 +54,7 @@ __all__ = [
     "ApprovalRejected",
     "ApprovalRequired",
     "ApprovalState",
+    "CallStatus",
     "Approvals",
     "AttemptInProgress",
     "AuditEvent",
@@ -72,6 +75,7 @@ __all__ = [
     "IntentNotRecorded",
     "InterruptedWrite",
     "InvalidCallId",
+    "InvalidToolArguments",
     "Journal",
     "JournalState",
     "LeaseLost",
@@ -86,6 +90,7 @@ __all__ = [
     "TaskRevokedWhileRunning",
     "ToolContextError",
     "ToolDeclarationError",
+    "ToolSchemaError",
     "ToolEffect",
     "ToolEffectError",
     "ToolEffectInterface",

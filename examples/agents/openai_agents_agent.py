@@ -13,7 +13,6 @@ import asyncio
 
 from agents import Agent, RunConfig, Runner, gen_trace_id
 from agents.testing import ScriptedModel, assistant_message, function_call
-
 from celery_tooleffect.agents.openai_agents import openai_agents_tools
 from examples.agent_app import app
 from examples.agents.common import FINAL, SCRIPT, USER, example_worker, show_call, show_output
