@@ -37,6 +37,7 @@ import anyio.from_thread
 import anyio.to_thread
 from celery import states as celery_states
 from celery.exceptions import TimeoutError as ResultTimeout
+from kombu.exceptions import OperationalError
 
 from ..errors import (
     ApprovalRejected,
@@ -44,6 +45,7 @@ from ..errors import (
     DeadLettered,
     InvalidCallId,
     InvalidToolArguments,
+    StoreUnavailable,
 )
 from ..states import ApprovalState, CallStatus, JournalState
 from ..store.journal import JournalRef
@@ -230,6 +232,16 @@ class ToolCaller:
             return CallReport(getattr(exc, "task_id", "") or "", name, CallStatus.REFUSED,
                               run_id or "", call_id or "", error_type=type(exc).__name__,
                               error=str(exc), failure_class="client_error")
+        except (StoreUnavailable, OperationalError, OSError) as exc:
+            # The claim or the publish did not get through (kombu's own publish
+            # retries are spent). Calling again with the same call id is the
+            # same call, whether or not the message left.
+            again = ("; call again with the same call id" if call_id else
+                     "; calling again is a new call")
+            return CallReport("", name, CallStatus.REFUSED, run_id or "", call_id or "",
+                              error_type=type(exc).__name__,
+                              error=f"not published, the broker or store did not answer: "
+                                    f"{exc}{again}", failure_class="connection")
         return await self.wait(task_id, tool=name, run_id=run_id or "", call_id=call_id or "",
                                progress=progress)
 

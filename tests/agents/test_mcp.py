@@ -311,3 +311,31 @@ def test_a_tool_whose_signature_cannot_be_described_is_refused_at_start(
         cwd=str(ROOT))
     assert refused.returncode == 1
     assert "shop.untyped: parameter 'key' has no type annotation" in refused.stderr
+
+
+def test_a_broker_and_store_that_do_not_answer_are_a_connection_error_naming_the_retry(
+        agents: Agents, second_redis: Any) -> None:
+    """The app's broker and store are a redis-server of the test's own, stopped
+    once the server runs: nothing is published, and the model is told whether
+    calling again is the same call."""
+    agents.env["TE_BROKER"] = second_redis.url
+
+    async def scenario() -> tuple[types.CallToolResult, types.CallToolResult]:
+        async with agents.stdio() as session:
+            await session.list_tools()
+            second_redis.kill()
+            keyed = await session.call_tool("shop.send_invoice", {"key": "x", "cents": 1},
+                                            meta={"idempotencyKey": "k-down"})
+            unkeyed = await session.call_tool("shop.search", {"query": "usb"})
+            return keyed, unkeyed
+
+    keyed, unkeyed = anyio.run(scenario)
+    for result in (keyed, unkeyed):
+        assert result.is_error
+        assert result.structured_content is not None
+        assert (result.structured_content["status"],
+                result.structured_content["failure_class"]) == ("refused", "connection")
+        assert "not published, the broker or store did not answer" in text(result)
+    assert "call again with the same call id" in text(keyed)
+    assert "calling again is a new call" in text(unkeyed)
+    assert agents.runs("x") == 0
