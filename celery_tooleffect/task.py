@@ -76,6 +76,7 @@ PROTECTED_OPTIONS = frozenset(
         "reconcile",
         "requires_approval",
         "needs_approval",
+        "approval_view",
     }
 )
 
@@ -98,6 +99,11 @@ class ToolTask(Task):  # type: ignore[misc]
     #: call, or a policy ``requires_approval(self, *args, **kwargs) -> bool``
     #: (a method, or the ``requires_approval=`` option of ``@app.task``).
     requires_approval: ClassVar[bool | Callable[..., bool]] = False
+    #: How a call's arguments are shown to the people who approve it:
+    #: ``approval_view(self, *args, **kwargs) -> Mapping[str, Any]`` (a method,
+    #: or the ``approval_view=`` option of ``@app.task``), e.g. a card number
+    #: masked; None: the arguments as the message carries them.
+    approval_view: ClassVar[Callable[..., Mapping[str, Any]] | None] = None
 
     abstract = True
     acks_late = True
@@ -141,6 +147,10 @@ class ToolTask(Task):  # type: ignore[misc]
                 f"{cls.name}: time_limit {cls.time_limit}s is longer than its "
                 f"operation_deadline {cls.operation_deadline}s"
             )
+        if cls.approval_view is not None and not cls.requires_approval:
+            raise ToolDeclarationError(
+                f"{cls.name}: approval_view shows a call to the people who approve it; "
+                "the tool declares no requires_approval")
         if cls.requires_approval and not declared.is_write:
             raise ToolDeclarationError(
                 f"{cls.name}: a READ_ONLY tool changes nothing, so there is nothing to "

@@ -13,11 +13,16 @@ the workers' sweep does, so an operator never sees an overdue call as pending.
 from __future__ import annotations
 
 import builtins
-from dataclasses import dataclass
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..states import ApprovalState
 from ..store.approvals import Approval
+from ..store.audit import FULL_VALUE_LIMIT
+from ..store.envelope import shown as json_safe
 from ..store.runtime import runtime_for
 from ..worker.approvals import decide, expire_overdue
 from .operations.results import ActionResult, Outcome, default_actor
@@ -61,6 +66,56 @@ class ApprovalListing:
         return listed
 
 
+@dataclass(frozen=True)
+class ShownArguments:
+    """What the people who decide are shown of a call's arguments: decoded
+    from its kept message with the app's ``accept_content`` (as a dead
+    letter's page does; nothing of it is run), or, when the tool declares an
+    ``approval_view``, what that view returns (a card number masked, say).
+    When nothing can be shown, ``problem`` says why, and the call can still
+    be decided."""
+
+    #: Positional and keyword arguments, JSON-safe (None: not shown).
+    args: list[Any] | None = None
+    kwargs: dict[str, Any] | None = None
+    #: What the tool's ``approval_view`` returned, instead of the arguments.
+    view: dict[str, Any] | None = None
+    #: Why nothing is shown (a body the accepted serializers cannot decode,
+    #: an ``approval_view`` that raised, a tool this app does not know).
+    problem: str = ""
+    #: SHA-256 of what is shown (canonical JSON): audited with the decision.
+    digest: str = field(default="")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe: ``approvals show --json``'s ``shown`` and the API's."""
+        return {"args": self.args, "kwargs": self.kwargs, "view": self.view,
+                "problem": self.problem or None, "digest": self.digest}
+
+    def audit_details(self, privacy: str) -> dict[str, str]:
+        """What the decision's audit event records of it: the digest (and the
+        values themselves at privacy ``full``)."""
+        details = {"shown_digest": self.digest}
+        if self.problem:
+            details["shown_problem"] = self.problem[:500]
+        if privacy == "full":
+            details["shown"] = _canonical(self._shown())[:FULL_VALUE_LIMIT]
+        return details
+
+    def _shown(self) -> dict[str, Any]:
+        if self.view is not None:
+            return {"view": self.view}
+        return {"args": self.args, "kwargs": self.kwargs, "problem": self.problem or None}
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _with_digest(shown: ShownArguments) -> ShownArguments:
+    digest = hashlib.sha256(_canonical(shown._shown()).encode("utf-8")).hexdigest()
+    return ShownArguments(shown.args, shown.kwargs, shown.view, shown.problem, digest)
+
+
 class Approvals:
     """Calls parked for approval in ``app``'s store: list, show, approve, reject."""
 
@@ -98,6 +153,37 @@ class Approvals:
         """The call's record, pending or decided; None when it never waited."""
         return self.runtime.approvals.get(task_id)
 
+    def arguments(self, approval: Approval) -> ShownArguments:
+        """What a person deciding ``approval`` is shown of its arguments
+        (:class:`ShownArguments`); never raises for what the message or the
+        tool's ``approval_view`` does."""
+        if approval.message is None:
+            return _with_digest(ShownArguments(problem="no message kept"))
+        try:
+            args, kwargs, _ = approval.message.task_payload(self.app.conf.accept_content)
+        except Exception as exc:
+            return _with_digest(ShownArguments(
+                problem=f"the arguments cannot be decoded with this app's accept_content "
+                        f"({type(exc).__name__}: {exc}); nothing of them is shown"))
+        self.app.loader.import_default_modules()
+        task = self.app.tasks.get(approval.name)
+        view = getattr(type(task), "approval_view", None) if task is not None else None
+        if task is None:
+            return _with_digest(ShownArguments(
+                problem=f"{approval.name} is no task of this app, so its approval_view (if "
+                        "it has one) cannot be applied: the arguments are hidden"))
+        if view is None:
+            return _with_digest(ShownArguments(args=json_safe(args), kwargs=json_safe(kwargs)))
+        try:
+            shown = view(task, *args, **kwargs)
+            if not isinstance(shown, Mapping):
+                raise TypeError(f"it returned {type(shown).__name__}, not a mapping")
+        except Exception as exc:
+            return _with_digest(ShownArguments(
+                problem=f"the tool's approval_view raised {type(exc).__name__}: {exc}; the "
+                        "arguments are hidden"))
+        return _with_digest(ShownArguments(view=json_safe(dict(shown))))
+
     def stats(self) -> dict[str, Any]:
         """Pending calls by queue and tool: ``{"pending": n, "by_queue": {...},
         "by_tool": {...}, "by_queue_and_tool": [{"queue", "tool", "pending"}]}``."""
@@ -121,23 +207,28 @@ class Approvals:
     # -- deciding --------------------------------------------------------------
 
     def approve(self, task_id: str, *, by: str | None = None, reason: str = "",
-                via: str = "python") -> ActionResult:
+                via: str = "python", seen: str | None = None) -> ActionResult:
         """Approve a pending call: it is published again and runs once. ``by``
-        (default ``$TOOLEFFECT_ACTOR`` or ``user@host``), ``reason`` and ``via``
-        (``cli``, ``flower``, ``python``) are written in the audit event."""
-        return self._decide(task_id, ApprovalState.APPROVED, by=by, reason=reason, via=via)
+        (default ``$TOOLEFFECT_ACTOR`` or ``user@host``), ``reason``, ``via``
+        (``cli``, ``flower``, ``python``) and the digest of what is shown of its
+        arguments (:meth:`arguments`) are written in the audit event. ``seen``:
+        the digest the person deciding was shown; another one refuses the
+        decision (what is shown changed meanwhile)."""
+        return self._decide(task_id, ApprovalState.APPROVED, by=by, reason=reason, via=via,
+                            seen=seen)
 
     def reject(self, task_id: str, *, by: str | None = None, reason: str = "",
-               via: str = "python") -> ActionResult:
+               via: str = "python", seen: str | None = None) -> ActionResult:
         """Reject a pending call: it ends FAILURE (``ApprovalRejected``), nothing runs."""
-        return self._decide(task_id, ApprovalState.REJECTED, by=by, reason=reason, via=via)
+        return self._decide(task_id, ApprovalState.REJECTED, by=by, reason=reason, via=via,
+                            seen=seen)
 
     def expire_overdue(self) -> builtins.list[Approval]:
         """Reject as expired the calls that waited past the timeout (see the module docs)."""
         return expire_overdue(self.app)
 
     def _decide(self, task_id: str, state: ApprovalState, *, by: str | None,
-                reason: str, via: str) -> ActionResult:
+                reason: str, via: str, seen: str | None = None) -> ActionResult:
         verb = _VERBS[state]
         actor = by or default_actor()
         try:
@@ -155,7 +246,15 @@ class Approvals:
                     + (f" by {approval.decided_by}" if approval.decided_by else ""),
                     approval.name, approval.effect, approval.queue,
                 )
-            move = decide(self.app, approval, state, by=actor, reason=reason, via=via)
+            shown = self.arguments(approval)
+            if seen is not None and seen != shown.digest:
+                return ActionResult(
+                    task_id, verb, Outcome.REFUSED,
+                    f"{_label(approval)}: what is shown of its arguments changed since it "
+                    "was shown to you (another digest); look again, nothing was decided",
+                    approval.name, approval.effect, approval.queue)
+            move = decide(self.app, approval, state, by=actor, reason=reason, via=via,
+                          shown=shown.audit_details(self.runtime.settings.privacy))
         except STORE_ERRORS as exc:
             return ActionResult(task_id, verb, Outcome.FAILED, f"{task_id}: {exc}")
         except Exception as exc:  # publishing failed: the decision stands, listed

@@ -156,18 +156,7 @@ class DeadLetter:
         """
         if self.message is None:
             raise ValueError(f"{self.task_id}: no message kept (envelope version {self.version})")
-        body = self.message.decoded(accept)
-        if isinstance(body, (list, tuple)) and len(body) == 3:
-            args, kwargs, embed = body
-        elif isinstance(body, Mapping):  # protocol 1
-            args, kwargs, embed = body.get("args"), body.get("kwargs"), {}
-        else:
-            raise ValueError(f"not a task body: {type(body).__name__}")
-        return (
-            list(args) if isinstance(args, (list, tuple)) else [],
-            dict(kwargs) if isinstance(kwargs, Mapping) else {},
-            dict(embed) if isinstance(embed, Mapping) else {},
-        )
+        return self.message.task_payload(accept)
 
 
 class DeadLetters:

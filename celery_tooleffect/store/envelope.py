@@ -137,6 +137,24 @@ class MessageEnvelope:
             self.body, self.content_type, self.content_encoding, accept=allowed
         )
 
+    def task_payload(self, accept: Any) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+        """``(args, kwargs, embed)`` of the task message, decoded for display
+        only (:meth:`decoded`); ``embed`` holds the canvas fields of a protocol
+        2 body (``callbacks``, ``errbacks``, ``chain``, ``chord``). Raises what
+        kombu raises, or ``ValueError`` for a body that is no task's."""
+        body = self.decoded(accept)
+        if isinstance(body, (list, tuple)) and len(body) == 3:
+            args, kwargs, embed = body
+        elif isinstance(body, Mapping):  # protocol 1
+            args, kwargs, embed = body.get("args"), body.get("kwargs"), {}
+        else:
+            raise ValueError(f"not a task body: {type(body).__name__}")
+        return (
+            list(args) if isinstance(args, (list, tuple)) else [],
+            dict(kwargs) if isinstance(kwargs, Mapping) else {},
+            dict(embed) if isinstance(embed, Mapping) else {},
+        )
+
     # -- replay ----------------------------------------------------------------
 
     def replayed(self, mark: str) -> MessageEnvelope:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -177,18 +177,22 @@ def _end_delivery(request: Any, *, requeue: bool = False) -> None:
 
 
 def decision_event(approval: Approval, state: ApprovalState, *, by: str,
-                   reason: str, via: str) -> AuditEvent:
-    """The audit event of a decision on ``approval``."""
+                   reason: str, via: str, shown: Mapping[str, str] | None = None
+                   ) -> AuditEvent:
+    """The audit event of a decision on ``approval``; ``shown``: what the
+    person deciding was shown of the call (``shown_digest``, and at privacy
+    ``full`` the ``shown`` values)."""
     context = StepContext(
         run_id=approval.run_id, task_id=approval.task_id, tool=approval.name,
         effect=ToolEffect.coerce(approval.effect), queue=approval.queue, redelivered=False,
         worker=worker_identity(),
     )
-    return context.event("approval", state.value, actor=by, reason=reason, via=via)
+    details: dict[str, Any] = {"actor": by, "reason": reason, "via": via, **(shown or {})}
+    return context.event("approval", state.value, **details)
 
 
 def decide(app: Any, approval: Approval, state: ApprovalState, *, by: str,
-           reason: str, via: str) -> ApprovalMove:
+           reason: str, via: str, shown: Mapping[str, str] | None = None) -> ApprovalMove:
     """Take the decision ``state`` (approved, rejected, expired) on a pending call,
     once, then publish its message again and take it off the pending index.
 
@@ -200,7 +204,7 @@ def decide(app: Any, approval: Approval, state: ApprovalState, *, by: str,
     runtime = runtime_for(app)
     move = runtime.approvals.transition(
         approval, new_state=state, allowed=states.DECIDE_FROM,
-        event=decision_event(approval, state, by=by, reason=reason, via=via),
+        event=decision_event(approval, state, by=by, reason=reason, via=via, shown=shown),
         fields={"decided_by": by, "decided_at": f"{time.time():.6f}", "reason": reason},
     )
     if move or _listed_but_decided(runtime, approval):

@@ -231,6 +231,29 @@ def refund(key: str, amount: int) -> int:
     return amount
 
 
+def masked_card(self: ToolTask, key: str, card: str, amount: int) -> dict[str, str]:
+    """What approvers see of ``tools.pay``: the card's last four digits only."""
+    return {"card": f"**** **** **** {card[-4:]}", "amount": f"{amount / 100:.2f}"}
+
+
+@app.task(base=ToolTask, name="tools.pay", effect=ToolEffect.NON_IDEMPOTENT_WRITE,
+          requires_approval=True, approval_view=masked_card)
+def pay(key: str, card: str, amount: int) -> str:
+    """Charge a card; a person approves each charge, seeing the card masked."""
+    return hold_and_count(key, 0.0)
+
+
+def broken_view(self: ToolTask, key: str) -> dict[str, str]:
+    raise RuntimeError("the masking service is down")
+
+
+@app.task(base=ToolTask, name="tools.pay_broken_view", effect=ToolEffect.NON_IDEMPOTENT_WRITE,
+          requires_approval=True, approval_view=broken_view)
+def pay_broken_view(key: str) -> str:
+    """A charge whose approval view raises: its arguments are hidden, it can be decided."""
+    return hold_and_count(key, 0.0)
+
+
 @app.task(name="tools.plain", acks_late=True)
 def plain(key: str, hold: float = 0.0) -> str:
     """A plain Celery task (no ToolTask), late acknowledgement: the baseline."""

@@ -21,12 +21,14 @@ Commands, one module each::
     audit show RUN_ID [--json]
     audit verify RUN_ID... | --all [--json]
     audit tail [--count N] [--follow] [--json]
+    runs show RUN_ID [--cursor C] [--limit N] [--json]
     tools [--json]
     flower [flower options]
     mcp [--transport stdio|streamable-http] [--host H] [--port P] [--tool PATTERN]...
         [--token-env NAME]
 
-(:mod:`.dlq`, :mod:`.approvals`, :mod:`.audit`, :mod:`.tools`, :mod:`.flower`, :mod:`.mcp`;
+(:mod:`.dlq`, :mod:`.approvals`, :mod:`.audit`, :mod:`.runs`, :mod:`.tools`, :mod:`.flower`,
+:mod:`.mcp`;
 what they share, :mod:`.base`; the filters' choices come from the enums,
 :mod:`celery_tooleffect.admin.filters`.)
 
@@ -63,6 +65,7 @@ from .base import ToolEffectGroup
 from .dlq import dlq
 from .flower import flower_command
 from .mcp import mcp_command
+from .runs import runs
 from .tools import tools_command
 
 __all__ = ["main", "tooleffect"]
@@ -73,7 +76,7 @@ def tooleffect() -> None:
     """celery-tooleffect: dead letters, approvals, audit trails, Flower with a Dead letters page."""
 
 
-for _command in (dlq, approvals, audit, tools_command, flower_command, mcp_command):
+for _command in (dlq, approvals, audit, runs, tools_command, flower_command, mcp_command):
     tooleffect.add_command(_command)
 
 

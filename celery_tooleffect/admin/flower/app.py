@@ -27,7 +27,8 @@ from flower.urls import settings as flower_settings
 
 from ..approvals import Approvals
 from ..operations import DeadLetterOperations
-from . import approvals, dead_letters
+from ..runs import Runs
+from . import approvals, dead_letters, runs
 from .metrics import export_store_gauges
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ def make_flower(capp: Any, options: Any, settings: dict[str, Any]) -> Any:
     flower_app = Flower(capp=capp, options=options, **settings)
     flower_app.tooleffect_operations = DeadLetterOperations(capp)
     flower_app.tooleffect_approvals = Approvals(capp)
-    handlers: list[Any] = dead_letters.handlers() + approvals.handlers()
+    flower_app.tooleffect_runs = Runs(capp)
+    handlers: list[Any] = dead_letters.handlers() + approvals.handlers() + runs.handlers()
     if options.url_prefix:
         handlers = [rewrite_handler(handler, options.url_prefix) for handler in handlers]
     # Before Flower's catch-all 404 handler (tornado inserts new hosts' rules first).

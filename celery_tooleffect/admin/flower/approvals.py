@@ -77,16 +77,18 @@ class _ApprovalHandler(ToolEffectHandler):
                 "limit": limit_of(get("limit", ""), PAGE_SIZE),
                 "offset": offset_of(get("offset", ""))}
 
-    async def decide(self, task_id: str, verb: str, reason: str) -> ActionResult:
+    async def decide(self, task_id: str, verb: str, reason: str,
+                     seen: str | None = None) -> ActionResult:
         """Approve or reject ``task_id`` as the logged-in user, once the store answers
-        (else 503, nothing decided); a rejection needs a reason."""
+        (else 503, nothing decided); a rejection needs a reason. ``seen``: the
+        digest of the arguments the page showed (refused if they changed)."""
         await self.require(STORE)
         return await self.blocking(_decide, self.approvals, task_id, verb,
-                                   by=self.actor(), reason=reason.strip())
+                                   by=self.actor(), reason=reason.strip(), seen=seen)
 
 
 def _decide(approvals: Approvals, task_id: str, verb: str, *, by: str,
-            reason: str) -> ActionResult:
+            reason: str, seen: str | None = None) -> ActionResult:
     if verb == "reject" and not reason:
         approval = approvals.get(task_id)
         if approval is None:
@@ -97,8 +99,8 @@ def _decide(approvals: Approvals, task_id: str, verb: str, *, by: str,
                             "(written in the audit log); nothing was decided",
                             approval.name, approval.effect, approval.queue)
     if verb == "approve":
-        return approvals.approve(task_id, by=by, reason=reason, via="flower")
-    return approvals.reject(task_id, by=by, reason=reason, via="flower")
+        return approvals.approve(task_id, by=by, reason=reason, via="flower", seen=seen)
+    return approvals.reject(task_id, by=by, reason=reason, via="flower", seen=seen)
 
 
 def _age(seconds: float) -> str:
@@ -160,16 +162,19 @@ class _ApprovalPages(_ApprovalHandler, BaseHandler):  # type: ignore[misc]
         approval = await self.blocking(self.approvals.get, task_id)
         if approval is None and result is None:
             raise web.HTTPError(404, f"No call waits for approval under {task_id!r}")
-        events: list[dict[str, str]] = []
+        events: list[Any] = []
+        shown = None
         if approval is not None:
             run_events = await self.blocking(self.approvals.runtime.audit.events,
                                              approval.run_id)
             events = [event for event in run_events if event.get("task_id") == task_id]
+            shown = await self.blocking(self.approvals.arguments, approval)
         self.set_status(status)
         self.render(
             "tooleffect_approval.html",
             task_id=task_id,
             approval=approval,
+            shown=shown,
             events=events,
             result=result,
             now=time.time(),
@@ -203,7 +208,8 @@ class ApprovalActionPage(_ApprovalPages):
         self.refuse_cross_origin()
         self.check_xsrf_token()
         reason = self.get_argument("reason", "", escape=False) or ""
-        result = await self.decide(task_id, verb, reason)
+        seen = self.get_argument("shown_digest", "", escape=False) or None
+        result = await self.decide(task_id, verb, reason, seen)
         await self.render_detail(task_id, result, HTTP_STATUS[result.outcome])
 
 
@@ -238,7 +244,8 @@ class ApprovalApi(_ApprovalHandler, BaseApiHandler):  # type: ignore[misc]
         approval = await self.blocking(self.approvals.get, task_id)
         if approval is None:
             raise web.HTTPError(404, f"No call waits for approval under {task_id!r}")
-        self.write(approval.to_dict())
+        shown = await self.blocking(self.approvals.arguments, approval)
+        self.write({**approval.to_dict(), "shown": shown.to_dict()})
 
 
 class ApprovalActionApi(_ApprovalHandler, BaseApiHandler):  # type: ignore[misc]
@@ -248,6 +255,8 @@ class ApprovalActionApi(_ApprovalHandler, BaseApiHandler):  # type: ignore[misc]
     async def post(self, task_id: str, verb: str) -> None:
         self.refuse_cross_origin()
         body = self.json_body()
-        result = await self.decide(task_id, verb, str(body.get("reason") or ""))
+        seen = body.get("shown_digest")
+        result = await self.decide(task_id, verb, str(body.get("reason") or ""),
+                                   str(seen) if seen else None)
         self.set_status(HTTP_STATUS[result.outcome])
         self.write(result.to_dict())

@@ -24,6 +24,7 @@ from tornado import web
 from tornado.web import url
 
 from ...store.dead_letters import Cursor, DeadLetterQuery
+from ..cli.base import parse_duration
 from ..filters import DEAD_LETTER_REASONS, EFFECTS, FAILURE_CLASSES, dead_letter_query
 from ..operations import BOTH_STORES, ActionResult, DeadLetterOperations, Outcome
 from .handlers import HTTP_STATUS, ToolEffectHandler, flag, limit_of, pretty
@@ -41,10 +42,12 @@ def handlers() -> list[Any]:
         url(r"/dead-letters/([^/]+)", DeadLetterPage, name="dead_letter"),
         url(r"/dead-letters/([^/]+)/(replay|purge|reconcile)", DeadLetterActionPage,
             name="dead_letter_action"),
+        url(r"/dead-letters-bulk/(replay|purge)", BulkPage, name="dead_letters_bulk"),
         (r"/api/dead-letters", DeadLettersApi),
         (r"/api/dead-letters/stats", DeadLetterStatsApi),
         (r"/api/dead-letters/([^/]+)", DeadLetterApi),
         (r"/api/dead-letters/([^/]+)/(replay|purge|reconcile)", DeadLetterActionApi),
+        (r"/api/dead-letters-bulk/(replay|purge)", BulkApi),
     ]
 
 
@@ -144,14 +147,19 @@ class _DetailPage(_DeadLetterHandler, BaseHandler):  # type: ignore[misc]
     async def render_detail(
         self, task_id: str, result: ActionResult | None = None, status: int = 200
     ) -> None:
-        detail = await self.blocking(self.operations.detail, task_id)
+        detail = await self.blocking(self.operations.detail, task_id, page=True)
         if detail is None and result is None:
             raise web.HTTPError(404, f"No dead letter {task_id!r}")
+        events: list[Any] = []
+        if detail is not None:
+            run_id = detail["dead_letter"]["run_id"] or task_id
+            events = await self.blocking(self.operations.trail, task_id, run_id)
         self.set_status(status)
         self.render(
             "tooleffect_dead_letter.html",
             task_id=task_id,
             detail=detail,
+            events=events,
             result=result,
             pretty=pretty,
         )
@@ -228,3 +236,114 @@ class DeadLetterActionApi(_DeadLetterHandler, BaseApiHandler):  # type: ignore[m
                                 force=flag(body.get("force", False)), via="flower-api")
         self.set_status(HTTP_STATUS[result.outcome])
         self.write(result.to_dict())
+
+
+# -- bulk actions -------------------------------------------------------------------------
+
+
+class _Bulk(_DeadLetterHandler):
+    """What the bulk page and API share: the filters, the age of a purge, the run."""
+
+    def older_than(self, value: Any, action: str) -> float | None:
+        """A purge's ``older_than`` in seconds (``90s``, ``15m``, ``2h``, ``7d``; 0
+        for every age), as ``dlq purge --all --older-than``; None for a replay."""
+        if action != "purge":
+            return None
+        try:
+            return parse_duration(str(value or "").strip() or "0s")
+        except ValueError as exc:
+            raise web.HTTPError(400, str(exc)) from None
+
+    async def run_bulk(self, action: str, query: DeadLetterQuery, *, reason: str,
+                       older_than: float | None, via: str) -> BulkResult:
+        """Replay or purge every letter ``query`` matches, under the rules and the
+        audit of the CLI's ``--all`` (NON_IDEMPOTENT_WRITEs are refused, one
+        result each), once both stores answer."""
+        await self.require(*BOTH_STORES)
+        operations, actor = self.operations, self.actor()
+
+        def every() -> list[ActionResult]:
+            if action == "replay":
+                return list(operations.replay_matching(query, actor=actor, reason=reason,
+                                                       via=via))
+            return list(operations.purge_matching(query, older_than=older_than or 0.0,
+                                                  actor=actor, reason=reason, via=via))
+
+        return BulkResult(action, await self.blocking(every))
+
+
+class BulkResult:
+    """The results of one bulk action, counted by outcome."""
+
+    def __init__(self, action: str, results: list[ActionResult]) -> None:
+        self.action = action
+        self.results = results
+        self.counts = {outcome.value: sum(result.outcome is outcome for result in results)
+                       for outcome in Outcome}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"action": self.action, "counts": self.counts,
+                "results": [result.to_dict() for result in self.results]}
+
+
+class BulkPage(_Bulk, BaseHandler):  # type: ignore[misc]
+    """``/dead-letters-bulk/(replay|purge)``: the confirmation of a bulk action on the
+    letters the list's filters match (``GET``), and the action (``POST``)."""
+
+    @web.authenticated
+    async def get(self, action: str) -> None:
+        get = functools.partial(self.get_argument, escape=False)
+        query = self.query_from(get)
+        older_than = self.older_than(get("older_than", ""), action)
+        preview = await self.blocking(self.operations.bulk_preview, query,
+                                      older_than=older_than)
+        self.render("tooleffect_bulk.html", action=action, query=query, preview=preview,
+                    older_than=get("older_than", "") or "0s", outcome=None, problem=None)
+
+    @web.authenticated
+    async def post(self, action: str) -> None:
+        self.refuse_cross_origin()
+        self.check_xsrf_token()
+        get = functools.partial(self.get_argument, escape=False)
+        query = self.query_from(_without_reason(get))
+        older_than = self.older_than(get("older_than", ""), action)
+        reason = (get("reason", "") or "").strip()
+        if not flag(get("confirm", "")) or not reason:
+            preview = await self.blocking(self.operations.bulk_preview, query,
+                                          older_than=older_than)
+            self.set_status(400)
+            self.render("tooleffect_bulk.html", action=action, query=query, preview=preview,
+                        older_than=get("older_than", "") or "0s", outcome=None,
+                        problem="Tick the confirmation and give a reason: both are audited.")
+            return
+        outcome = await self.run_bulk(action, query, reason=reason, older_than=older_than,
+                                      via="flower")
+        self.render("tooleffect_bulk.html", action=action, query=query, preview=None,
+                    older_than=get("older_than", "") or "0s", outcome=outcome, problem=None)
+
+
+class BulkApi(_Bulk, BaseApiHandler):  # type: ignore[misc]
+    """``POST /api/dead-letters-bulk/(replay|purge)``: a bulk action on the letters
+    the JSON body's filters match (``queue``, ``dead_letter_reason``,
+    ``failure_class``, ``effect``; a purge's ``older_than``), with a ``reason``
+    (required): the results, counted by outcome."""
+
+    @web.authenticated
+    async def post(self, action: str) -> None:
+        self.refuse_cross_origin()
+        body = self.json_body()
+        query = self.query_from(lambda name, default="": body.get(name) or default
+                                if name != "reason" else "")
+        reason = str(body.get("reason") or "").strip()
+        if not reason:
+            raise web.HTTPError(400, "a bulk action needs a reason: it is audited")
+        outcome = await self.run_bulk(action, query, reason=reason,
+                                      older_than=self.older_than(body.get("older_than"),
+                                                                 action),
+                                      via="flower-api")
+        self.write(outcome.to_dict())
+
+
+def _without_reason(get: Callable[..., Any]) -> Callable[..., Any]:
+    """The form's fields, but ``reason`` (the why of the action, not a filter)."""
+    return lambda name, default="": default if name == "reason" else get(name, default)

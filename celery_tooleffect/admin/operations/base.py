@@ -5,8 +5,10 @@ stats, counts), and the audit event and result of an action on a letter."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ...effect import ToolEffect
 from ...errors import StoreUnavailable
 from ...events import AuditEvent
 from ...store.audit import worker_identity
@@ -44,8 +46,9 @@ class OperationsBase:
     def stats(self) -> DeadLetterStats:
         return self.runtime.dead_letters.stats()
 
-    def detail(self, task_id: str) -> dict[str, Any] | None:
-        """:func:`letter_detail` of ``task_id``'s letter (or of one being replayed), or None."""
+    def detail(self, task_id: str, *, page: bool = False) -> dict[str, Any] | None:
+        """:func:`letter_detail` of ``task_id``'s letter (or of one being replayed), or
+        None; ``page``: refusals in the words of Flower's page."""
         letters = self.runtime.dead_letters
         letter = letters.get(task_id)
         taken = False
@@ -55,7 +58,7 @@ class OperationsBase:
                 return None
             letter, taken = unfinished[0], True
         detail = letter_detail(letter, self._journal(letter), taken=taken, accept=self.accept,
-                               chord_refusal=self._chord_refusal(letter))
+                               chord_refusal=self._chord_refusal(letter), page=page)
         declared = reconciler(self.app.tasks.get(letter.name)) is not None
         detail["reconcile"] = {"refusal": reconcile_refusal(letter, declared=declared)}
         return detail
@@ -66,6 +69,21 @@ class OperationsBase:
         ``before``: :func:`~celery_tooleffect.admin.operations.views.letter_listing`."""
         page = self.runtime.dead_letters.page(query, limit=limit, before=before)
         return letter_listing(page, self.privacy, self.accept)
+
+    def trail(self, task_id: str, run_id: str) -> list[Any]:
+        """The audit events of ``task_id`` in its run ``run_id``, oldest first."""
+        return [event for event in self.runtime.audit.events(run_id)
+                if event.get("task_id") == task_id]
+
+    def bulk_preview(self, query: DeadLetterQuery, *, older_than: float | None = None
+                     ) -> dict[str, int]:
+        """What a bulk action on ``query`` would touch: ``matching`` letters, of which
+        ``non_idempotent`` are NON_IDEMPOTENT_WRITEs (never replayed in bulk)."""
+        matching = self.count_matching(query, older_than=older_than)
+        risky = ToolEffect.NON_IDEMPOTENT_WRITE.value
+        non_idempotent = (self.count_matching(replace(query, effect=risky), older_than=older_than)
+                          if query.effect in (None, risky) else 0)
+        return {"matching": matching, "non_idempotent": non_idempotent}
 
     def count_matching(self, query: DeadLetterQuery, *, older_than: float | None = None) -> int:
         """How many letters a bulk action on ``query`` would touch (walks only the matches)."""

@@ -89,7 +89,8 @@ class Replaying(OperationsBase):
                 # journal runs it once) and allowed for reads.
                 letters.put_back(letter)
                 letter = letters.get(task_id) or letter
-            refusal = replay_refusal(letter, force=force, reason=reason, bulk=bulk)
+            refusal = replay_refusal(letter, force=force, reason=reason, bulk=bulk,
+                                     page=via == "flower")
             refusal = refusal or self._chord_refusal(letter)
             if refusal:
                 return self._result(letter, "replay", Outcome.REFUSED, refusal)
@@ -108,7 +109,8 @@ class Replaying(OperationsBase):
     ) -> ActionResult:
         letters = self.runtime.dead_letters
         # The letter may have changed since it was read (a late outcome).
-        refusal = replay_refusal(letter, force=force, reason=reason, bulk=bulk)
+        refusal = replay_refusal(letter, force=force, reason=reason, bulk=bulk,
+                                 page=via == "flower")
         if refusal:
             letters.put_back(letter)
             return self._result(letter, "replay", Outcome.REFUSED, refusal)
@@ -239,7 +241,8 @@ class Replaying(OperationsBase):
             if entry is None or chord_member(entry.letter, self.accept) is not None:
                 one_by_one.append(task_id)
                 continue
-            refusal = replay_refusal(entry.letter, force=False, reason=reason, bulk=True)
+            refusal = replay_refusal(entry.letter, force=False, reason=reason, bulk=True,
+                                     page=via == "flower")
             if refusal:
                 yield self._result(entry.letter, "replay", Outcome.REFUSED, refusal)
             else:

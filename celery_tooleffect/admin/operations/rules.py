@@ -23,15 +23,26 @@ def letter_label(letter: DeadLetter) -> str:
     return f"{letter.name or '<no task name>'}[{letter.task_id}]"
 
 
+#: How a refusal names what overrides it: the CLI's options, or the page's form.
+_OVERRIDE = {
+    False: {"reason": "a reason (--reason)", "force": "with --force and a --reason",
+            "only": "Only --force with a --reason overrides this."},
+    True: {"reason": "a reason", "force": "with its confirmation box ticked and a reason",
+           "only": "Only a replay confirmed below, with a reason, overrides this."},
+}
+
+
 def replay_refusal(
     letter: DeadLetter, *, force: bool, reason: str, bulk: bool,
-    journal_state: str | None = None,
+    journal_state: str | None = None, page: bool = False,
 ) -> str | None:
     """Why ``letter`` may not be replayed this way, or None when it may.
 
     ``journal_state`` (when known) lets a caller preview the journal's verdict;
-    the replay itself checks the journal atomically.
+    the replay itself checks the journal atomically. ``page``: say what
+    overrides a refusal in a page's words, not the CLI's options.
     """
+    words = _OVERRIDE[page]
     label = letter_label(letter)
     effect = letter_effect(letter)
     if letter.message is None:
@@ -50,12 +61,12 @@ def replay_refusal(
             f"({letter.error}); publish it again under its own id, then purge this letter"
         )
     if force and not reason.strip():
-        return f"{label}: a forced replay needs a reason (--reason): it is audited with why"
+        return f"{label}: a forced replay needs {words['reason']}: it is audited with why"
     if effect is ToolEffect.NON_IDEMPOTENT_WRITE:
         if bulk:
             return (
                 f"{label} is a NON_IDEMPOTENT_WRITE: it is replayed only by its task id, one "
-                "at a time, with --force and a --reason; never in bulk"
+                f"at a time, {words['force']}; never in bulk"
             )
         recorded = _recorded_outcome(letter, journal_state)
         if recorded:
@@ -67,12 +78,12 @@ def replay_refusal(
         return (
             f"the write already ran: {label} completed its body, but its outcome could not "
             "be recorded (AuditPersistenceFailed). Replaying it runs the write a second "
-            "time. Only --force with a --reason overrides this."
+            f"time. {words['only']}"
         )
     if effect is ToolEffect.NON_IDEMPOTENT_WRITE and not force:
         return (
             f"{label} is a NON_IDEMPOTENT_WRITE ({letter.reason}): its write may already have "
-            "happened. Replay it only with --force and a --reason."
+            f"happened. Replay it only {words['force']}."
         )
     return None
 

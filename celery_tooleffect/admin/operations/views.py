@@ -71,9 +71,10 @@ def letter_summary(letter: DeadLetter, privacy: str, accept: Any = None) -> dict
 
 def letter_detail(
     letter: DeadLetter, journal: dict[str, str] | None, *, taken: bool = False,
-    accept: Any = None, chord_refusal: str | None = None,
+    accept: Any = None, chord_refusal: str | None = None, page: bool = False,
 ) -> dict[str, Any]:
-    """One letter in full, as the stable JSON of ``dlq show`` and ``/api/dead-letters/<id>``.
+    """One letter in full, as the stable JSON of ``dlq show`` and ``/api/dead-letters/<id>``
+    (``page``: refusals in the words of Flower's page).
 
     ``dead_letter`` is :func:`letter_view`. ``replay`` previews the rules:
     ``allowed`` (without force), ``needs_force`` and the ``refusal`` a plain
@@ -81,11 +82,11 @@ def letter_detail(
     """
     state = (journal or {}).get("state")
     plain = chord_refusal or replay_refusal(letter, force=False, reason="", bulk=False,
-                                            journal_state=state)
+                                            journal_state=state, page=page)
     forced = chord_refusal or replay_refusal(letter, force=True, reason="why", bulk=False,
-                                             journal_state=state)
+                                             journal_state=state, page=page)
     bulk = chord_refusal or replay_refusal(letter, force=False, reason="", bulk=True,
-                                           journal_state=state)
+                                           journal_state=state, page=page)
     return {
         "dead_letter": letter_view(letter, accept),
         "journal": journal or None,
