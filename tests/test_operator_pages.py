@@ -232,3 +232,204 @@ def test_a_run_of_thousands_of_calls_is_paged_at_a_bounded_cost(
     assert seen == [f"t{n:05d}" for n in range(3000)] and pages == 15
     assert time.perf_counter() - started < 60  # a hang, not a timing: pages are bounded
     assert now > 0
+
+
+# -- bulk actions ---------------------------------------------------------------------------
+
+
+tools = base.tools
+
+
+def test_bulk_replay_and_purge_confirm_the_count_and_follow_the_clis_rules(
+    tools: Any, start_flower: Callable[..., FlowerProcess],
+) -> None:
+    from celery_tooleffect import ToolEffect
+    from tests.conftest import running_worker
+    from tests.test_flower_xsrf import FORM, _form, _post, make_letters
+
+    app = tools.app
+    idem, read, write = make_letters(tools, (ToolEffect.IDEMPOTENT_WRITE, "bulk-idem"),
+                                     (ToolEffect.READ_ONLY, "bulk-read"),
+                                     (ToolEffect.NON_IDEMPOTENT_WRITE, "bulk-write"))
+    for key in ("bulk-idem", "bulk-read", "bulk-write"):
+        tools.fix(key)
+    flower = start_flower(f"--basic-auth={USER}")
+    bulk = f"{flower.url}/dead-letters-bulk/replay"
+
+    status, page = _request(f"{flower.url}/dead-letters", user=USER)
+    assert status == 200 and 'id="bulk-replay"' in page
+    status, page = _request(bulk, user=USER)
+    assert status == 200, page
+    assert "<strong>3</strong> dead letters match" in page
+    assert "1 of them is a NON_IDEMPOTENT_WRITE" in page and "(2 can be)" in page
+
+    # A forged request (no token, another origin) does nothing.
+    forged = {"reason": "forged", "confirm": "on"}
+    status, body = _post(bulk, _form(forged), content_type=FORM, user=USER)
+    assert status == 403 and "'_xsrf' argument missing" in body.replace("&#x27;", "'")
+    status, body = _post(f"{flower.url}/api/dead-letters-bulk/replay",
+                         json.dumps(forged).encode(), content_type="application/json",
+                         user=USER, headers={"Origin": "http://127.0.0.1:1"})
+    assert status == 403, body
+    assert all(DeadLetters(app).get(letter.task_id) for letter in (idem, read, write))
+
+    # The page's own form: without the confirmation nothing is done; with it, the
+    # CLI's --all rules: the NON_IDEMPOTENT_WRITE is refused, the others replayed.
+    token = uuid.uuid4().hex
+    session = {"Cookie": f"_xsrf={token}", "Origin": flower.url}
+    status, body = _post(bulk, _form({"_xsrf": token, "reason": "provider fixed"}),
+                         content_type=FORM, user=USER, headers=session)
+    assert status == 400 and "Tick the confirmation" in body
+    assert all(DeadLetters(app).get(letter.task_id) for letter in (idem, read, write))
+    with running_worker(app):
+        status, body = _post(bulk, _form({"_xsrf": token, "reason": "provider fixed",
+                                          "confirm": "on"}),
+                             content_type=FORM, user=USER, headers=session)
+        assert status == 200, body
+        assert '<span id="bulk-done">2</span>' in body
+        assert '<span id="bulk-refused">1</span>' in body
+        assert "never in bulk" in body and "--force" not in body  # the page's words
+        for letter in (idem, read):
+            wait_for(lambda letter=letter: app.AsyncResult(letter.task_id).state == "SUCCESS",
+                     timeout=30, what=f"{letter.task_id} to succeed once replayed")
+    assert DeadLetters(app).get(write.task_id) is not None
+    replayed = [event for event in AuditLog(app).events(idem.run_id)
+                if event.get("phase") == "replayed"]
+    assert replayed and replayed[-1]["via"] == "flower" and replayed[-1]["reason"] == (
+        "provider fixed")
+
+    # The API purges what the filters match, with a reason.
+    status, body = _post(f"{flower.url}/api/dead-letters-bulk/purge",
+                         json.dumps({"effect": "non_idempotent_write", "older_than": "0s",
+                                     "reason": "handled by hand"}).encode(),
+                         content_type="application/json", user=USER)
+    assert status == 200, body
+    assert json.loads(body)["counts"]["done"] == 1
+    assert DeadLetters(app).get(write.task_id) is None
+
+
+# -- the pages in a real browser ---------------------------------------------------------
+
+
+def _screenshot(browser: Any, name: str) -> None:
+    """Refresh the docs' screenshot ``name`` when TOOLEFFECT_SCREENSHOT says where."""
+    target = os.environ.get("TOOLEFFECT_SCREENSHOT")
+    if target:
+        path = Path(target).parent / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(path))
+
+
+def test_the_approval_run_and_bulk_pages_in_a_real_browser(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess],
+    start_flower: Callable[..., FlowerProcess], browser: Any, counter: Counter,
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    spawn_worker(concurrency=1)
+    key = uuid.uuid4().hex[:8]
+    pay = park(app, "tools.pay", key, CARD, 125_000)
+    flower = start_flower(FLOWER_UNAUTHENTICATED_API="true")
+
+    # The list shows what approvers may see; the call's page too, and approving it
+    # from there records the digest of what the page showed.
+    browser.get(f"{flower.url}/approvals")
+    row = wait_css(browser, f"tr[data-task-id='{pay.id}']")
+    assert "card=\"**** **** **** 4242\"" in row.text and CARD not in browser.page_source
+    browser.get(f"{flower.url}/approvals/{pay.id}")
+    wait_css(browser, "#approve-button")
+    shown = base.text_of(browser, "#ap-arguments")
+    assert '"card": "**** **** **** 4242"' in shown and '"amount": "1250.00"' in shown
+    assert CARD not in browser.page_source
+    _screenshot(browser, "approval-arguments.png")
+    browser.find_element(By.CSS_SELECTOR, "#approve-reason").send_keys("card holder called")
+    click(browser, "#approve-button")
+    wait_for(lambda: base.outcome(browser) == "done", what="the approval")
+    assert pay.get(timeout=60) == key and counter.value(key) == 1
+    digest = json.loads(_request(f"{flower.url}/api/approvals/{pay.id}")[1])["shown"]["digest"]
+    assert decision(app, pay.id)["shown_digest"] == digest
+
+    # The run's page: the approval, then the call; its task id leads to the approval.
+    click(browser, "#ap-run")
+    wait_css(browser, "#run-timeline")
+    rows = browser.find_elements(By.CSS_SELECTOR, "tr.run-call")
+    assert [row.get_attribute("data-state") for row in rows] == ["succeeded"]
+    assert "tools.pay" in rows[0].text and "approval approved" in rows[0].text
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#run-timeline rect.timeline-span")) == 1
+    _screenshot(browser, "run.png")
+    click(browser, "a.call-link")
+    wait_css(browser, "#ap-state")
+    assert browser.current_url.endswith(f"/approvals/{pay.id}")
+
+    # A bulk replay asks for a confirmation that says what it will and will not do.
+    for n in range(2):
+        wrong = app.send_task("tools.write", kwargs={"no_such_argument": n}, queue="tools")
+        wait_for(lambda wrong=wrong: DeadLetters(app).get(wrong.id), timeout=60,
+                 what="a dead letter")
+    browser.get(f"{flower.url}/dead-letters")
+    click(browser, "#bulk-replay")
+    wait_css(browser, "#bulk-form")
+    assert base.text_of(browser, "#bulk-count") == "2 dead letters match."
+    assert base.text_of(browser, "#bulk-non-idempotent").startswith(
+        "2 of them are NON_IDEMPOTENT_WRITEs")
+    browser.find_element(By.CSS_SELECTOR, "#bulk-reason").send_keys("fixed the producer")
+    _screenshot(browser, "bulk-replay.png")
+    click(browser, "#bulk-confirm")
+    click(browser, "#bulk-button")
+    wait_css(browser, "#bulk-done")
+    assert base.text_of(browser, "#bulk-done") == "0"
+    assert base.text_of(browser, "#bulk-refused") == "2"
+
+
+def test_the_pages_in_an_existing_flower_under_its_url_prefix_and_basic_auth(
+    app: Celery, prefix: str, tmp_path: Path, spawn_worker: Callable[..., WorkerProcess],
+    browser: Any,
+) -> None:
+    """``celery flower`` (Flower's own command) with a configuration file that
+    calls ``install()``, and sets Flower's basic auth and URL prefix there."""
+    from selenium.webdriver.common.by import By
+
+    from tests.conftest import free_port
+    from tests.test_flower import _answers
+
+    spawn_worker(concurrency=1)
+    wrong = app.send_task("tools.write", kwargs={"no_such_argument": 1}, queue="tools")
+    wait_for(lambda: DeadLetters(app).get(wrong.id), timeout=60, what="a dead letter")
+    config = tmp_path / "flowerconfig.py"
+    config.write_text("from celery_tooleffect.admin.flower.app import install\n"
+                      "install()\n"
+                      f"basic_auth = [{USER!r}]\n"
+                      "url_prefix = 'ops/flower'\n")
+    port = free_port()
+    env = {**os.environ, "TE_PREFIX": prefix, "TE_BROKER": REDIS_URL,
+           "PYTHONPATH": str(TESTS.parent)}
+    log = (tmp_path / "flower.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.tool_app", "flower",
+         f"--conf={config}", f"--port={port}", "--address=127.0.0.1"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path),
+        start_new_session=True)
+    try:
+        root = f"http://127.0.0.1:{port}/ops/flower"
+        flower = FlowerProcess(root, process, tmp_path / "flower.log")
+        wait_for(lambda: _answers(flower) or process.poll() is not None, timeout=40,
+                 what="Flower to answer")
+        assert process.poll() is None, flower.output()
+        assert _request(f"{root}/dead-letters")[0] == 401
+        status, body = _request(f"{root}/api/dead-letters", user=USER)
+        assert status == 200 and wrong.id in body
+        status, body = _request(f"{root}/api/runs/{wrong.id}", user=USER)
+        assert status == 200 and json.loads(body)["calls"][0]["task_id"] == wrong.id
+
+        browser.get(f"http://{USER}@127.0.0.1:{port}/ops/flower/workers")
+        wait_css(browser, "#nav-dead-letters").click()
+        row = wait_css(browser, f"tr[data-task-id='{wrong.id}']")
+        assert "tools.write" in row.text
+        assert browser.current_url.endswith(f":{port}/ops/flower/dead-letters")
+        row.find_element(By.CSS_SELECTOR, "a.dead-letter-link").click()
+        wait_css(browser, "#dl-run").click()
+        wait_css(browser, "#run-calls")
+        assert browser.current_url.endswith(f":{port}/ops/flower/runs/{wrong.id}")
+    finally:
+        os.killpg(process.pid, 9)
+        process.wait(10)

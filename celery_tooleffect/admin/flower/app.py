@@ -1,10 +1,12 @@
-"""Starting Flower with this package's pages: ``celery -A app tooleffect flower``.
+"""Flower with this package's pages: ``celery -A app tooleffect flower``, or
+an existing ``celery flower`` whose configuration file calls :func:`install`.
 
 :func:`run_flower` does what ``celery flower`` does, with the Flower
-application of :func:`make_flower`: Flower's own, plus the Dead letters and
-Approvals pages and APIs (:mod:`.dead_letters`, :mod:`.approvals`), their
-items in Flower's navbar (:class:`TemplateLoader`), the store's gauges on
-``/metrics`` (:mod:`.metrics`), and the failure class on the task page.
+application of :func:`make_flower`: Flower's own, plus (:func:`extend`) the
+Dead letters, Approvals and run pages and APIs (:mod:`.dead_letters`,
+:mod:`.approvals`, :mod:`.runs`), their items in Flower's navbar
+(:class:`TemplateLoader`), the store's gauges on ``/metrics``
+(:mod:`.metrics`), and the failure class on the task page.
 """
 
 from __future__ import annotations
@@ -65,13 +67,23 @@ def run_flower(capp: Any, argv: list[str], *, quiet: bool = False) -> None:
 
 
 def make_flower(capp: Any, options: Any, settings: dict[str, Any]) -> Any:
-    """A Flower application with the Dead letters and Approvals pages, their APIs, the
-    store's gauges on ``/metrics`` and the failure class row."""
+    """A Flower application with the Dead letters, Approvals and run pages, their
+    APIs, the store's gauges on ``/metrics`` and the failure class row."""
     settings = dict(settings)
     settings["template_loader"] = TemplateLoader(
         str(settings["template_path"]), autoescape="xhtml_escape"
     )
     flower_app = Flower(capp=capp, options=options, **settings)
+    extend(flower_app)
+    return flower_app
+
+
+def extend(flower_app: Any) -> None:
+    """Add this package's pages, APIs, gauges and failure class row to a Flower
+    application (its ``capp`` and ``options``: the URL prefix); once."""
+    if hasattr(flower_app, "tooleffect_operations"):
+        return
+    capp, options = flower_app.capp, flower_app.options
     flower_app.tooleffect_operations = DeadLetterOperations(capp)
     flower_app.tooleffect_approvals = Approvals(capp)
     flower_app.tooleffect_runs = Runs(capp)
@@ -83,7 +95,35 @@ def make_flower(capp: Any, options: Any, settings: dict[str, Any]) -> Any:
     show_failure_class(flower_app)
     export_store_gauges(flower_app.tooleffect_approvals,
                         flower_app.tooleffect_operations.runtime.dead_letters)
-    return flower_app
+
+
+def install() -> None:
+    """Add this package's pages to the Flower that ``celery flower`` starts: call
+    it from Flower's configuration file (``flowerconfig.py``, or ``--conf``),
+    which Flower runs as Python before it builds its application::
+
+        # flowerconfig.py
+        from celery_tooleffect.admin.flower.app import install
+        install()
+
+    The rest of the deployment stays Flower's own: its options, authentication
+    (``--basic-auth``, ``--auth`` with OAuth), TLS and ``--url_prefix``.
+    Flower's templates are then loaded with the navbar items, and every
+    ``Flower`` application built afterwards gets :func:`extend`. Calling it
+    again changes nothing."""
+    if getattr(Flower, "_tooleffect_installed", False):
+        return
+    flower_settings["template_loader"] = TemplateLoader(
+        str(flower_settings["template_path"]), autoescape="xhtml_escape"
+    )
+    built = Flower.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        built(self, *args, **kwargs)
+        extend(self)
+
+    Flower.__init__ = __init__
+    Flower._tooleffect_installed = True
 
 
 class TemplateLoader(tornado.template.Loader):

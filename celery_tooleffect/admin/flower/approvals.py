@@ -138,9 +138,12 @@ class _ApprovalPages(_ApprovalHandler, BaseHandler):  # type: ignore[misc]
         queue, tool, state = wanted["queue"], wanted["tool"], wanted["state"]
         stats = await self.blocking(self.approvals.stats)
         page: ApprovalListing = await self.blocking(self.approvals.listing, **wanted)
+        shown = {approval.task_id: await self.blocking(self.approvals.arguments, approval)
+                 for approval in page.approvals}
         self.render(
             "tooleffect_approvals.html",
             approvals=page.approvals,
+            shown=shown,
             total=page.total,
             offset=page.offset,
             limit=page.limit,
