@@ -29,28 +29,20 @@ from celery_tooleffect.events import AuditEvent
 from celery_tooleffect.store.runs import RunCalls
 from celery_tooleffect.store.runtime import runtime_for
 from tests import test_flower as base
+from tests import test_flower_approvals as approvals_tests
 from tests.conftest import REDIS_URL, TESTS, Counter, WorkerProcess, wait_for
 from tests.test_flower import FlowerProcess, _request, click, wait_css
 
 pytestmark = pytest.mark.timeout(240)
 
 start_flower = base.start_flower
+# tests/test_flower_approvals.py's app fixture and helper.
+app = approvals_tests.app
+park = approvals_tests.park
 browser = base.browser
 
 USER = "ops:s3cret"
 CARD = "4242424242424242"
-
-
-@pytest.fixture
-def app(make_app: Callable[..., Celery]) -> Celery:
-    return make_app()
-
-
-def park(app: Celery, name: str, *args: Any) -> Any:
-    result = app.send_task(name, args=list(args), queue="tools")
-    wait_for(lambda: Approvals(app).get(result.id), timeout=60,
-             what=f"{name}[{result.id}] to be parked")
-    return result
 
 
 def cli(prefix: str, *arguments: str) -> subprocess.CompletedProcess[str]:
