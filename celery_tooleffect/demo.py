@@ -70,7 +70,7 @@ import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,7 @@ from celery.contrib.testing.worker import start_worker
 from .admin.approvals import Approvals
 from .effect import ToolEffect
 from .errors import RedisServerError
+from .events import AuditEvent
 from .reconciliation import Reconciliation
 from .settings import settings_for
 from .store.approvals import Approval
@@ -394,7 +395,7 @@ class Run:
     task_id: str = ""
     state: str = ""
     result: Any = None
-    events: list[dict[str, str]] = field(default_factory=list)
+    events: list[AuditEvent] = field(default_factory=list)
     journal: dict[str, str] = field(default_factory=dict)
     dead_letter: DeadLetter | None = None
     decision: Decision | None = None
@@ -497,27 +498,28 @@ def approvals_table(listed: Sequence[Approval]) -> str:
     return table(rows)
 
 
-def audit_table(events: Sequence[dict[str, str]]) -> str:
+def audit_table(events: Sequence[AuditEvent]) -> str:
     if not events:
         return "    (no audit events)"
-    first = float(events[0].get("ts", "0") or 0)
+    # Read back typed (AuditEvent.from_stream): times and numbers are numbers.
+    first = events[0].ts
     rows = [["seq", "+ms", "phase", "status", "attempt", "took ms", "failure_class",
              "exception", "worker / by"]]
     for event in events:
-        offset = (float(event.get("ts", "0") or 0) - first) * 1000
-        took = event.get("duration_ms", "")
+        offset = (event.ts - first) * 1000
+        took = event.duration_ms
         # A decision names who took it and where (the CLI, Flower, Python).
         by = (f"{event['actor']} ({event.get('via', '')})" if event.get("actor")
               else event.get("worker", ""))
         rows.append([
-            event.get("seq", ""),
+            "" if event.seq is None else str(event.seq),
             f"{offset:.0f}",
-            event.get("phase", ""),
-            event.get("status", ""),
-            event.get("attempt", ""),
-            f"{float(took):.1f}" if took else "",
-            event.get("failure_class", ""),
-            event.get("exception_type", ""),
+            event.phase,
+            event.status,
+            "" if event.attempt is None else str(event.attempt),
+            "" if took is None else f"{took:.1f}",
+            event.failure_class or "",
+            event.exception_type or "",
             by,
         ])
     return table(rows)
@@ -533,7 +535,8 @@ def describe(run: Run) -> str:
     if run.effect.is_write:
         state = run.journal.get("state", "(none)")
         lines.append(f"  journal: state={state} attempt={run.journal.get('attempt', '')}")
-        intent = next((event for event in run.events if event.get("phase") == "intent"), {})
+        intent: Mapping[str, str] = next(
+            (event for event in run.events if event.phase == "intent"), {})
         if intent.get("idempotency_key"):
             lines.append(f"  idempotency key: {intent['idempotency_key']}  "
                          f"fencing token: {intent.get('fencing_token', '')}")

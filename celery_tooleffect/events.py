@@ -31,12 +31,19 @@ details             phase-specific fields, e.g. the payload as the privacy
 
 The store adds ``seq``, ``prev`` and ``hash`` (the run's hash chain) when it
 appends the event. An event reads as the mapping of its stream fields
-(``event["status"]``, ``dict(event)``); readers of a stream get those
-mappings back.
+(``event["status"]``, ``dict(event)``, ``event.get("task_id")``).
+
+Readers of a stream (``AuditLog.events``, ``AuditLog.tail``) get events back
+through :meth:`AuditEvent.from_stream`: typed attributes (``ts`` a float,
+``attempt`` an int, ``duration_ms`` a float, ``redelivered`` a bool, the chain's
+``seq``, ``prev`` and ``hash``, and the stream ``entry_id``), while the mapping
+stays exactly the text the stream holds, ``{"id": <entry id>, **stored
+fields}`` in stored order: what ``audit show --json`` prints.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -83,12 +90,65 @@ class AuditEvent(Mapping[str, str]):
     exception_type: str | None = None
     #: Phase-specific fields, stored after the common ones.
     details: Mapping[str, str] = field(default_factory=dict)
+    #: The run's hash chain, as the store appended it (None on an event not
+    #: read back from a run's stream: one being built, or a global-stream copy):
+    #: the event's number in its run (1 = first), the hash of the event before
+    #: it ('' for the first) and its own hash.
+    seq: int | None = field(default=None, kw_only=True)
+    prev: str | None = field(default=None, kw_only=True)
+    hash: str | None = field(default=None, kw_only=True)
+    #: The id of its stream entry (``<ms>-<n>``) once read back, else None.
+    entry_id: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in self.details:
             if name in EVENT_FIELDS or name in CHAIN_FIELDS:
                 raise ValueError(f"audit detail {name!r} would replace the event's own field")
         object.__setattr__(self, "_fields", self._stream_fields())
+
+    @classmethod
+    def from_stream(cls, entry_id: str, fields: Mapping[str, str]) -> AuditEvent:
+        """The event stored as stream entry ``entry_id`` with ``fields`` (decoded to
+        text, in stored order).
+
+        The typed attributes are parsed from the text: ``ts`` and
+        ``duration_ms`` floats, ``attempt`` and ``seq`` ints, ``redelivered``
+        true for ``1``; fields outside :data:`EVENT_FIELDS` and
+        :data:`CHAIN_FIELDS` are its ``details``. A field that is missing or does
+        not parse (an event stored by hand, or edited: ``AuditLog.verify`` says
+        which) reads as its empty value: ``''``, None, ``ts`` 0.0, never an error.
+
+        The event's mapping is ``{"id": entry_id, **fields}`` exactly, the stored
+        text unchanged (``"ts": "1796345286.29"`` stays so), whatever the
+        attributes parsed from it.
+        """
+        get = fields.get
+        event = cls(
+            run_id=get("run_id", ""),
+            task_id=get("task_id", ""),
+            tool=get("tool", ""),
+            effect=get("effect", ""),
+            phase=get("phase", ""),
+            status=get("status", ""),
+            worker=get("worker", ""),
+            queue=get("queue", ""),
+            redelivered=get("redelivered", "0").strip().lower() in ("1", "true"),
+            ts=_parsed_float(get("ts")) or 0.0,
+            attempt=_parsed_int(get("attempt")),
+            duration_ms=_parsed_float(get("duration_ms")),
+            failure_class=get("failure_class"),
+            exception_type=get("exception_type"),
+            details={name: value for name, value in fields.items()
+                     if name not in _OWN_FIELDS},
+            seq=_parsed_int(get("seq")),
+            prev=get("prev"),
+            hash=get("hash"),
+            entry_id=entry_id,
+        )
+        # The mapping is what the stream holds, not the fields rebuilt from
+        # the parsed values: callers and --json read the stored text.
+        object.__setattr__(event, "_fields", {"id": entry_id, **fields})
+        return event
 
     @classmethod
     def of(
@@ -166,6 +226,16 @@ class AuditEvent(Mapping[str, str]):
         if self.exception_type is not None:
             fields["exception_type"] = self.exception_type
         fields.update(self.details)
+        if self.seq is not None or self.entry_id is not None:
+            # A read-back event rebuilt (dataclasses.replace): laid out as stored.
+            chain: dict[str, str] = {} if self.entry_id is None else {"id": self.entry_id}
+            if self.seq is not None:
+                chain["seq"] = str(self.seq)
+            fields = {**chain, **fields}
+            if self.prev is not None:
+                fields["prev"] = self.prev
+            if self.hash is not None:
+                fields["hash"] = self.hash
         return fields
 
     # -- the mapping of its stream fields --------------------------------------
@@ -183,6 +253,30 @@ class AuditEvent(Mapping[str, str]):
     def _fields_map(self) -> dict[str, str]:
         fields: dict[str, str] = self.__dict__["_fields"]
         return fields
+
+
+#: The fields that are attributes of their own, not details.
+_OWN_FIELDS = frozenset(EVENT_FIELDS) | frozenset(CHAIN_FIELDS)
+
+
+def _parsed_float(value: str | None) -> float | None:
+    """``value`` as a float; None when it is missing or not a finite number."""
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _parsed_int(value: str | None) -> int | None:
+    """``value`` as an int (``"3"``, also ``"3.0"`` as Lua may write it); None when
+    it is missing or not a whole number."""
+    number = _parsed_float(value)
+    if number is None or not number.is_integer():
+        return None
+    return int(number)
 
 
 def _text(value: Any) -> str:

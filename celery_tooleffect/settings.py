@@ -8,6 +8,7 @@ back to a default, and no setting may relabel a tool's effect.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import sys
 import weakref
 from collections.abc import Mapping
@@ -42,6 +43,8 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_rabbitmq_consumer_timeout": 1800.0,
     "tooleffect_reconcile_timeout": 30.0,
     "tooleffect_approval_timeout": 24 * 3600.0,
+    # Seconds a decided approval stays listed (approvals list --state ...).
+    "tooleffect_approval_retention": 7 * 24 * 3600.0,
     "tooleffect_allow_eviction": False,
     # None: 1 when the store is behind Sentinel (it fails over), else 0.
     "tooleffect_store_replicas": None,
@@ -87,6 +90,9 @@ class Settings:
     reconcile_timeout: float = 30.0
     #: Seconds a call may wait for approval before it is rejected as expired.
     approval_timeout: float = 24 * 3600.0
+    #: Seconds a decided approval stays listed by its decision
+    #: (``tooleffect_approval_retention``), and at least how long its record lives.
+    approval_retention: float = 7 * 24 * 3600.0
     broker_transport_options: Mapping[str, Any] = field(default_factory=dict)
     #: The store (``redis_url``) is a Redis Cluster (``tooleffect_redis_cluster``).
     redis_cluster: bool = False
@@ -145,8 +151,11 @@ class Settings:
 
     @property
     def approval_ttl(self) -> int:
-        """How long an approval record lives: its timeout, then as long as a journal entry."""
-        return int(self.approval_timeout) + self.journal_ttl
+        """How long an approval record lives: its timeout, then as long as a journal
+        entry or as long as a decision stays listed (``approval_retention``),
+        whichever is longer."""
+        return int(self.approval_timeout) + max(self.journal_ttl,
+                                                math.ceil(self.approval_retention))
 
 
 _cache: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary()
@@ -244,6 +253,7 @@ def _read(app: Celery) -> Settings:
         rabbitmq_consumer_timeout=float(get("tooleffect_rabbitmq_consumer_timeout")),
         reconcile_timeout=float(get("tooleffect_reconcile_timeout")),
         approval_timeout=float(get("tooleffect_approval_timeout")),
+        approval_retention=_seconds(get, "tooleffect_approval_retention"),
         broker_transport_options=transport_options,
         redis_cluster=redis_cluster,
         default_queue=str(conf.task_default_queue or "celery"),
@@ -263,6 +273,18 @@ def _read(app: Celery) -> Settings:
         mcp_token=(str(conf["tooleffect_mcp_token"]) if conf.get("tooleffect_mcp_token")
                    else None),
     )
+
+
+def _seconds(get: Any, key: str) -> float:
+    """Setting ``key``: a number of seconds, 0 or more."""
+    value = get(key)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if isinstance(value, bool) or not 0 <= seconds < float("inf"):
+        raise ConfigurationError(f"{key} must be a number of seconds, 0 or more, not {value!r}")
+    return seconds
 
 
 def atomic_fetch_enabled(conf: Mapping[str, Any]) -> bool:

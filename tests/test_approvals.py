@@ -9,6 +9,7 @@ call, ``tools.refund`` for refunds above 100 only; the app's
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,10 @@ from celery_tooleffect import (
     ToolEffect,
     ToolTask,
 )
-from celery_tooleffect.testing import RedisServer
+from celery_tooleffect.store.approvals import Approval
+from celery_tooleffect.store.audit import StepContext
+from celery_tooleffect.store.runtime import runtime_for
+from celery_tooleffect.testing import RedisServer, redis_server
 from tests.conftest import REDIS_URL, Counter, WorkerProcess, on_broker, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -290,3 +294,86 @@ def test_approval_is_declared_in_code_only(make_app: Callable[..., Celery]) -> N
 
     with pytest.raises(EffectRelabelRefused, match="requires_approval"):
         call.apply_async(args=[1], requires_approval=False)
+
+
+# -- decided calls stay listed (the store) ------------------------------------------------
+
+
+def decide_in_store(app: Celery, task_id: str, *, tool: str, queue: str,
+                    state: ApprovalState, decided_at: float) -> None:
+    """Park a call and decide it ``state`` at ``decided_at``, as the worker and an
+    operator do, through the store alone."""
+    store = runtime_for(app).approvals
+    approval = Approval(task_id=task_id, run_id=f"run-{task_id}", name=tool, queue=queue,
+                        effect="non_idempotent_write", state=ApprovalState.PENDING,
+                        requested_at=decided_at - 60)
+    context = StepContext(run_id=approval.run_id, task_id=task_id, tool=tool,
+                          effect=ToolEffect.NON_IDEMPOTENT_WRITE, queue=queue,
+                          redelivered=False, worker="test:1")
+    assert store.request(approval, context.event("approval", "requested")) is None
+    moved = store.transition(
+        approval, new_state=state, allowed=frozenset({ApprovalState.PENDING}),
+        event=context.event("approval", state.value, actor="ops"),
+        fields={"decided_by": "ops", "decided_at": f"{decided_at:.6f}", "reason": "r"})
+    assert moved
+    store.unlist(task_id)  # as once its message is published again
+
+
+def test_decided_calls_are_paged_newest_decision_first_for_the_retention(
+    make_app: Callable[..., Celery],
+) -> None:
+    day = 86400.0
+    app = make_app(tooleffect_approval_retention=day)
+    now = time.time()
+    for number in range(5):
+        decide_in_store(app, f"ok-{number}", tool="tools.approved_write", queue="tools",
+                        state=ApprovalState.APPROVED, decided_at=now - 100 + number)
+    decide_in_store(app, "refund-1", tool="tools.refund", queue="money",
+                    state=ApprovalState.APPROVED, decided_at=now - 50)
+    decide_in_store(app, "no-1", tool="tools.refund", queue="money",
+                    state=ApprovalState.REJECTED, decided_at=now - 40)
+    # Decided before the retention: not listed (trimmed when the next decision is written).
+    decide_in_store(app, "old-1", tool="tools.approved_write", queue="tools",
+                    state=ApprovalState.APPROVED, decided_at=now - day - 10)
+    store = runtime_for(app).approvals
+
+    def ids(state: ApprovalState = ApprovalState.APPROVED, **query: Any) -> tuple[list[str], int]:
+        page = store.decided(state, **query)
+        return [approval.task_id for approval in page.approvals], page.total
+
+    assert ids(limit=3) == (["refund-1", "ok-4", "ok-3"], 6)
+    assert ids(limit=3, offset=3) == (["ok-2", "ok-1", "ok-0"], 6)
+    assert ids(limit=3, offset=6) == ([], 6)
+    assert ids(tool="tools.refund") == (["refund-1"], 1)
+    assert ids(queue="tools", limit=2) == (["ok-4", "ok-3"], 5)
+    assert ids(queue="money", tool="tools.refund") == (["refund-1"], 1)
+    assert ids(queue="money", tool="tools.approved_write") == ([], 0)
+    assert ids(ApprovalState.REJECTED) == (["no-1"], 1)
+    assert ids(ApprovalState.EXPIRED) == ([], 0)
+    # A day on, every one of them is past the retention.
+    assert ids(now=now + day) == ([], 0)
+    assert Approvals(app).list() == []  # none waits: the waiting list is as before
+    with pytest.raises(ValueError, match="not a decision"):
+        store.decided(ApprovalState.PENDING)
+
+
+def test_a_page_of_decided_calls_reads_only_what_it_shows(
+    make_app: Callable[..., Celery],
+) -> None:
+    with redis_server() as server:
+        app = make_app(broker_url="memory://", result_backend="cache+memory://",
+                       tooleffect_redis_url=server.url)
+        now = time.time()
+        for number in range(40):
+            decide_in_store(app, f"call-{number}", tool="tools.approved_write", queue="tools",
+                            state=ApprovalState.APPROVED, decided_at=now - number)
+        client = server.client()
+        client.config_resetstat()
+        page = runtime_for(app).approvals.decided(ApprovalState.APPROVED, limit=5, offset=10)
+        stats = client.info("commandstats")
+    assert [a.task_id for a in page.approvals] == [f"call-{n}" for n in range(10, 15)]
+    assert page.total == 40
+    calls = {name.removeprefix("cmdstat_"): value["calls"] for name, value in stats.items()}
+    assert calls["hgetall"] == 5 and calls["hmget"] == 1
+    assert calls["zrevrangebyscore"] == 1 and calls["zcount"] == 1
+    assert "zrange" not in calls and "scan" not in calls

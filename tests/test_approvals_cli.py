@@ -38,12 +38,13 @@ def app(make_app: Callable[..., Celery], prefix: str, broker_url: str) -> Celery
     return make_app(**on_broker(prefix, broker_url))
 
 
-def operator(prefix: str, broker_url: str, *arguments: str,
-             celery: bool = False) -> subprocess.CompletedProcess[str]:
+def operator(prefix: str, broker_url: str, *arguments: str, celery: bool = False,
+             columns: int = WIDTH) -> subprocess.CompletedProcess[str]:
     """``celery-tooleffect -A tests.apps.tool_app approvals <arguments>`` (or, with
-    ``celery``, ``celery -A tests.apps.tool_app tooleffect approvals ...``)."""
+    ``celery``, ``celery -A tests.apps.tool_app tooleffect approvals ...``), its
+    output ``columns`` wide."""
     env = dict(os.environ, TE_PREFIX=prefix, TE_BROKER=broker_url, TE_COUNTERS=REDIS_URL,
-               TE_VT="60", TE_STORE="", COLUMNS=str(WIDTH), TOOLEFFECT_ACTOR="ops-cli")
+               TE_VT="60", TE_STORE="", COLUMNS=str(columns), TOOLEFFECT_ACTOR="ops-cli")
     command = ([sys.executable, "-m", "celery", "-A", "tests.apps.tool_app", "tooleffect"]
                if celery else
                [sys.executable, "-m", "celery_tooleffect.admin.cli", "-A", "tests.apps.tool_app"])
@@ -117,11 +118,16 @@ def test_list_show_and_stats_of_parked_calls(
     shown = operator(prefix, broker_url, "show", refund_id, "--json")
     assert shown.returncode == 0, shown.stderr
     record = Approvals(app).get(refund_id)
-    assert record is not None and as_json(shown) == record.to_dict()
-    assert as_json(shown)["effect"] == "idempotent_write"
+    printed = as_json(shown)
+    # The record, and what approvers see: the arguments decoded from the kept message.
+    assert record is not None and {**printed, "shown": None} == {**record.to_dict(),
+                                                                 "shown": None}
+    assert printed["shown"]["args"] == record.message.task_payload(["json"])[0]
+    assert printed["shown"]["problem"] is None and len(printed["shown"]["digest"]) == 64
+    assert printed["effect"] == "idempotent_write"
     human = operator(prefix, broker_url, "show", write_id)
     assert human.returncode == 0, human.stderr
-    assert write_id in human.stdout and "args_size" in human.stdout
+    assert write_id in human.stdout and "arguments:" in human.stdout and key in human.stdout
     assert "state" in human.stdout and "pending" in human.stdout
 
     # The Celery sub-command is the same group.
@@ -213,6 +219,65 @@ def test_rejected_from_the_cli_ends_failure_and_nothing_runs(
     assert (shown["decided_by"], shown["reason"]) == ("bob", "not this customer")
     assert shown["decided_at"] is not None
     assert as_json(operator(prefix, broker_url, "list", "--json"))["count"] == 0
+
+
+def test_decided_calls_stay_listed_by_their_decision_after_they_ran(
+    app: Celery, spawn_worker: Callable[..., WorkerProcess], counter: Counter,
+    prefix: str, broker_url: str,
+) -> None:
+    spawn_worker(concurrency=1, broker_url=broker_url)
+    key, other = uuid.uuid4().hex[:8], uuid.uuid4().hex[:8]
+    approved_id = park(app, "tools.approved_write", key)
+    rejected_id = park(app, "tools.approved_write", other)
+    assert operator(prefix, broker_url, "approve", approved_id).returncode == 0
+    assert operator(prefix, broker_url, "reject", rejected_id, "--reason", "no").returncode == 0
+
+    # Both were published again: a worker ran the approved call and ended the
+    # rejected one, and neither waits any more.
+    assert app.AsyncResult(approved_id).get(timeout=60) == key
+    assert counter.value(key) == 1 and counter.value(other) == 0
+    wait_for(lambda: Approvals(app).get(rejected_id).state is ApprovalState.ENDED,  # type: ignore[union-attr]
+             timeout=30, what="the worker to end the rejected call")
+    assert not Approvals(app).runtime.approvals.is_listed(approved_id)
+    assert as_json(operator(prefix, broker_url, "list", "--json")) == {
+        "approvals": [], "count": 0}
+
+    # Listed by their decision all the same.
+    approved = as_json(operator(prefix, broker_url, "list", "--state", "approved", "--json"))
+    assert [a["task_id"] for a in approved["approvals"]] == [approved_id]
+    [entry] = approved["approvals"]
+    assert (entry["state"], entry["decided_by"], entry["name"]) == (
+        "approved", "ops-cli", "tools.approved_write")
+    assert entry["decided_at"] is not None and approved["count"] == 1
+    rejected = as_json(operator(prefix, broker_url, "list", "--state", "rejected", "--json"))
+    assert [(a["task_id"], a["state"], a["reason"]) for a in rejected["approvals"]] == [
+        (rejected_id, "ended", "no")]
+    assert as_json(operator(prefix, broker_url, "list", "--state", "expired", "--json"))[
+        "count"] == 0
+    # The filters, each from its own index.
+    for filters, found in ((["--tool", "tools.approved_write"], [approved_id]),
+                           (["--tool", "tools.refund"], []),
+                           (["--queue", "tools", "--tool", "tools.approved_write"],
+                            [approved_id]),
+                           (["--queue", "elsewhere"], [])):
+        listed = as_json(operator(prefix, broker_url, "list", "--state", "approved", *filters,
+                                  "--json"))
+        assert [a["task_id"] for a in listed["approvals"]] == found, filters
+
+    # At 80 columns the task id and the tool are whole; --wide shows the rest.
+    table = operator(prefix, broker_url, "list", "--state", "rejected", columns=80)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), table.stdout
+    [row] = [line for line in lines if rejected_id in line]
+    assert row.split()[:2] == [rejected_id, "tools.approved_write"]
+    assert "rejected, ended" in row and lines[-1] == "1 shown"
+    wide = operator(prefix, broker_url, "list", "--state", "approved", "--wide", columns=80)
+    assert wide.returncode == 0, wide.stderr
+    assert wide.stdout.splitlines()[0].split() == [
+        "TASK", "ID", "TOOL", "QUEUE", "STATE", "WAITED", "DECIDED", "BY", "ARGUMENTS"]
+    [row] = [line for line in wide.stdout.splitlines() if approved_id in line]
+    assert "ops-cli" in row.split() and "args_size=" in row and "tools" in row.split()
 
 
 # -- without a worker -------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_tooleffect import AuditLog, ConfigurationError, ToolEffect, ToolTask
+from celery_tooleffect import AuditEvent, AuditLog, ConfigurationError, ToolEffect, ToolTask
 from celery_tooleffect.events import EVENT_FIELDS
 from tests.conftest import RedisServer, redis_server, running_worker
 
@@ -173,3 +173,78 @@ def test_a_store_that_must_load_its_scripts_first_copies_each_event_once(
         tail = audit.tail(50)
     assert [e["phase"] for e in tail if e.get("task_id") == "t1"] == ["note"]
     assert [e["phase"] for e in tail if e.get("task_id") == result.id] == ["intent", "outcome"]
+
+
+# -- read back typed ---------------------------------------------------------------------
+
+
+def test_events_read_back_are_typed_and_read_as_the_stored_stream_fields(
+    make_app: Callable[..., Celery], main_redis: redis.Redis
+) -> None:
+    app = make_app()
+    charge = define_charge(app)
+    result = charge.apply(("c", 1))
+    audit = AuditLog(app)
+    intent, outcome = events = audit.events(result.id)
+    stored = main_redis.xrange(audit.keys.run_events(result.id))
+    assert len(stored) == 2
+    for event, (entry_id, fields) in zip(events, stored, strict=True):
+        assert isinstance(event, AuditEvent)
+        # The mapping is the stream's text exactly, in stored order, with the entry id.
+        text = {key.decode(): value.decode() for key, value in fields.items()}
+        assert list(event.items()) == [("id", entry_id.decode()), *text.items()]
+        assert event.entry_id == entry_id.decode()
+        # The attributes are those values parsed.
+        assert event.ts == float(text["ts"]) and isinstance(event.ts, float)
+        assert event.attempt == int(text["attempt"]) == 1
+        assert event.seq == int(text["seq"])
+        assert event.redelivered is False
+        assert (event.run_id, event.task_id, event.tool, event.effect) == (
+            result.id, result.id, "tools.charge", "non_idempotent_write")
+    assert (intent.phase, intent.status, outcome.phase, outcome.status) == (
+        "intent", "started", "outcome", "succeeded")
+    assert (intent.seq, outcome.seq) == (1, 2)
+    assert intent.prev == "" and outcome.prev == intent.hash
+    assert intent.hash is not None and len(intent.hash) == 40
+    assert intent.duration_ms is None
+    assert outcome.duration_ms is not None and outcome.duration_ms >= 0
+    assert outcome.duration_ms == float(outcome["duration_ms"])
+    assert intent.ts <= outcome.ts
+    assert outcome.details["args_size"] == str(len('["c",1]'))
+    # The chain is checked over the raw stored fields, as before.
+    assert audit.verify(result.id).intact
+
+
+def test_tail_reads_back_typed_global_copies(make_app: Callable[..., Celery],
+                                            main_redis: redis.Redis) -> None:
+    app = make_app()
+    charge = define_charge(app)
+    result = charge.apply(("c", 1))
+    audit = AuditLog(app)
+    tail = [event for event in audit.tail(50) if event.task_id == result.id]
+    stored = {entry_id.decode(): {k.decode(): v.decode() for k, v in fields.items()}
+              for entry_id, fields in main_redis.xrange(audit.keys.global_events)}
+    assert [event.phase for event in tail] == ["intent", "outcome"]
+    for event in tail:
+        assert event.entry_id is not None
+        assert dict(event) == {"id": event.entry_id, **stored[event.entry_id]}
+        assert event.ts == float(event["ts"])
+        # The copy is the event as the client sent it: what a script adds (the
+        # intent's attempt, the chain) is in the run's stream only.
+        assert event.attempt == (int(event["attempt"]) if "attempt" in event else None)
+        assert (event.seq, event.prev, event.hash) == (None, None, None)
+
+
+def test_an_event_stored_by_hand_reads_back_with_empty_values(
+    make_app: Callable[..., Celery], main_redis: redis.Redis
+) -> None:
+    app = make_app()
+    audit = AuditLog(app)
+    fields = {"run_id": "run-odd", "phase": "note", "ts": "1796345286.29", "attempt": "two",
+              "redelivered": "1", "extra": "é"}
+    entry_id = main_redis.xadd(audit.keys.run_events("run-odd"), fields).decode()  # type: ignore[arg-type]
+    [event] = audit.events("run-odd")
+    assert dict(event) == {"id": entry_id, **fields}
+    assert (event.ts, event.attempt, event.redelivered, event.seq) == (
+        1796345286.29, None, True, None)
+    assert (event.tool, event.status, dict(event.details)) == ("", "", {"extra": "é"})

@@ -33,6 +33,7 @@ from celery_tooleffect import AuditEvent, AuditLog, DeadLetter, DeadLetters, Too
 from celery_tooleffect.admin.cli import tooleffect
 from celery_tooleffect.admin.cli.base import parse_duration
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
+from celery_tooleffect.store.declarations import EffectDeclarations
 from celery_tooleffect.store.envelope import MessageEnvelope
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
@@ -110,7 +111,7 @@ def succeeded(app: Celery, task_id: str) -> None:
              what=f"{task_id} to succeed")
 
 
-def events_of(app: Celery, run_id: str) -> list[dict[str, str]]:
+def events_of(app: Celery, run_id: str) -> list[AuditEvent]:
     return AuditLog(app).events(run_id)
 
 
@@ -751,3 +752,147 @@ def test_bulk_replay_and_purge_go_by_batch_and_keep_each_letter_audited(
         assert journal_state(direct, letter)["state"] == "dead_lettered"
     assert DeadLetters(direct).stats().total == len(writes)
     assert not main_redis.hlen(DeadLetters(app).keys.dead_letter_replaying)
+
+
+# -- readable at 80 columns ------------------------------------------------------------
+
+LONG_TOOL = "billing.tools.send_invoice_email"
+
+
+def test_tables_keep_task_ids_and_tool_names_whole_at_80_columns(tools: Tools) -> None:
+    app = tools.app
+    letters = DeadLetters(app)
+    stored = []
+    for number, name in enumerate([LONG_TOOL, "tools.read", "crm.sync_contact"]):
+        letter = DeadLetter(
+            task_id=str(uuid.uuid4()), name=name, queue="tools", reason="retries_exhausted",
+            failure_class="connection", effect="non_idempotent_write", run_id=f"run-{number}",
+            exception_type="ConnectionRefusedError", attempts=4,
+        )
+        assert letters.store(letter)
+        stored.append(letter)
+
+    table = invoke(app, "dlq", "list", width=80)
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), table.stdout
+    for letter in stored:
+        [row] = [line for line in lines if letter.task_id in line]
+        # Both whole: never "billing.too…".
+        assert row.split()[0] == letter.task_id and letter.name in row.split()
+    assert "…" not in table.stdout
+    assert any(line.startswith("Not shown:") for line in lines)
+    assert "--wide" in table.stdout and lines[-1] == "3 shown of 3"
+
+    wide = invoke(app, "dlq", "list", "--wide", width=80)
+    assert wide.exit_code == 0, wide.output
+    header = wide.stdout.splitlines()[0]
+    for column in ("TASK ID", "STORED (UTC)", "QUEUE", "TOOL", "EFFECT", "REASON", "CLASS",
+                   "TRY", "EXCEPTION"):
+        assert column in header
+    for letter in stored:
+        [row] = [line for line in wide.stdout.splitlines() if letter.task_id in line]
+        for value in (letter.name, "tools", "non_idempotent_write", "retries_exhausted",
+                      "connection", "ConnectionRefusedError"):
+            assert value in row.split()
+    assert max(len(line) for line in wide.stdout.splitlines()) > 80
+    assert "Not shown" not in wide.stdout and "…" not in wide.stdout
+
+    stats = invoke(app, "dlq", "stats", "--wide", width=80)
+    assert stats.exit_code == 0, stats.output
+    assert "tools/retries_exhausted/connection/non_idempotent_write" in stats.stdout
+
+
+def test_audit_tables_keep_task_ids_and_tool_names_whole_at_80_columns(tools: Tools) -> None:
+    app = tools.app
+    audit = AuditLog(app)
+    run_id = f"run-{uuid.uuid4()}"
+    task_ids = [str(uuid.uuid4()) for _ in range(2)]
+    # 36 + 18 and the phase and status: at 80 columns, what else fits is left out.
+    tool = "tools.send_invoice"
+    for task_id in task_ids:
+        for phase, status in (("intent", "started"), ("outcome", "succeeded")):
+            assert audit.record_step(AuditEvent.of(
+                run_id=run_id, task_id=task_id, tool=tool,
+                effect=ToolEffect.NON_IDEMPOTENT_WRITE, phase=phase, status=status,
+                worker="celery@a-rather-long-worker-hostname:4242", queue="tools", attempt=1,
+                failure_class="connection", exception_type="ConnectionRefusedError"))
+
+    shown = invoke(app, "audit", "show", run_id, width=80)
+    assert shown.exit_code == 0, shown.output
+    lines = shown.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), shown.stdout
+    for task_id in task_ids:
+        rows = [line for line in lines if task_id in line]
+        assert len(rows) == 2 and all(tool in row.split() for row in rows)
+    assert any(line.startswith("Not shown:") for line in lines)
+    wide_show = invoke(app, "audit", "show", run_id, "--wide", width=80)
+    assert "celery@a-rather-long-worker-hostname:4242" in wide_show.stdout
+    assert "ConnectionRefusedError" in wide_show.stdout and "TIME (UTC)" in wide_show.stdout
+
+    tail = invoke(app, "audit", "tail", "--count", "4", width=80)
+    assert tail.exit_code == 0, tail.output
+    lines = tail.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), tail.stdout
+    for task_id in task_ids:
+        rows = [line for line in lines if task_id in line]
+        assert len(rows) == 2 and all(tool in row.split() for row in rows)
+    wide_tail = invoke(app, "audit", "tail", "--count", "4", "--wide", width=80)
+    assert run_id in wide_tail.stdout and "RUN ID" in wide_tail.stdout
+    assert all(run_id in line for line in wide_tail.stdout.splitlines()[2:])
+
+
+def test_the_tools_table_keeps_tool_names_whole_at_80_columns(tools: Tools) -> None:
+    app = tools.app
+    declarations = EffectDeclarations(runtime_for(app).settings)
+    names = [LONG_TOOL, "tools.read_the_customer_record_from_the_crm"]
+    for number in range(3):
+        declarations.publish(f"celery@worker-{number}.eu-west-1.compute.internal",
+                             release="2026.12.3-rc1", ttl=60,
+                             tools={names[0]: "non_idempotent_write", names[1]: "read_only"})
+    table = invoke(app, "tools", width=80)
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), table.stdout
+    for name in names:
+        assert any(line.split()[:1] == [name] for line in lines), table.stdout
+    wide = invoke(app, "tools", "--wide", width=80)
+    assert "DECLARED BY" in wide.stdout
+    assert "celery@worker-2.eu-west-1.compute.internal" in wide.stdout
+
+
+# -- audit JSON: the stored stream fields, byte for byte ---------------------------------
+
+
+def test_audit_json_is_the_stored_stream_fields(tools: Tools, main_redis: redis.Redis) -> None:
+    app = tools.app
+    audit = AuditLog(app)
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    assert audit.record_step(AuditEvent.of(
+        run_id=run_id, task_id="t-1", tool="tools.read", effect=ToolEffect.READ_ONLY,
+        phase="outcome", status="succeeded", worker="w:1", queue="tools", attempt=2,
+        duration_ms=1.5, redelivered=True, result_size=12, note="é"))
+    # As a Lua script may write a number: not in the event's own format.
+    main_redis.xadd(audit.keys.run_events(run_id), {  # type: ignore[arg-type]
+        "run_id": run_id, "task_id": "t-2", "ts": "1796345286.29", "attempt": "1",
+        "redelivered": "0", "phase": "note", "status": "kept"})
+
+    def decoded(entries: Any) -> list[dict[str, str]]:
+        return [{"id": entry_id.decode(), **{k.decode(): v.decode() for k, v in fields.items()}}
+                for entry_id, fields in entries]
+
+    stored = decoded(main_redis.xrange(audit.keys.run_events(run_id)))
+    shown = invoke(app, "audit", "show", run_id, "--json")
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout) == {"run_id": run_id, "events": stored}
+    # The very text the command printed when events were plain dicts.
+    assert shown.stdout == json.dumps({"run_id": run_id, "events": stored}, indent=2,
+                                      sort_keys=True, ensure_ascii=False) + "\n"
+    assert all(isinstance(value, str) for event in stored for value in event.values())
+
+    copies = decoded(main_redis.xrevrange(audit.keys.global_events, count=1))
+    tail = invoke(app, "audit", "tail", "--count", "1", "--json")
+    assert tail.exit_code == 0, tail.output
+    assert tail.stdout.splitlines() == [json.dumps(copy, sort_keys=True, ensure_ascii=False)
+                                        for copy in copies]
+    assert json.loads(tail.stdout)["note"] == "é"

@@ -250,6 +250,9 @@ def test_worker_warns_about_a_store_that_persists_nothing(
     text = caplog.text
     assert "the journal and audit store" in text and "persists nothing" in text
     assert "worker_prefetch_multiplier is 4" in text
+    # Each names the section of the docs that says what it means and what to do.
+    assert "see docs/operations.md#prefetch" in text
+    assert "see docs/operations.md#persistence" in text
 
 
 # -- with real worker processes and a short visibility timeout ------------------------

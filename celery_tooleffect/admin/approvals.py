@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..states import ApprovalState
-from ..store.approvals import Approval
+from ..store.approvals import DECISIONS, Approval
 from ..store.audit import FULL_VALUE_LIMIT
 from ..store.envelope import shown as json_safe
 from ..store.runtime import runtime_for
@@ -127,11 +127,16 @@ class Approvals:
 
     def list(self, *, queue: str | None = None, tool: str | None = None,
              state: ApprovalState | str | None = None, limit: int | None = None,
-             offset: int = 0) -> list[Approval]:
-        """Listed calls, oldest first: pending, or decided and not yet published
-        (``state`` picks one). Filters by queue and tool; ``offset``/``limit`` page."""
-        self.expire_overdue()
+             offset: int = 0) -> builtins.list[Approval]:
+        """Listed calls: pending, or decided and not yet published, oldest first;
+        with ``state`` approved, rejected or expired, the calls decided so within
+        ``tooleffect_approval_retention``, newest decision first. Filters by
+        queue and tool; ``offset``/``limit`` page."""
         wanted = ApprovalState.coerce(state) if state is not None else None
+        if wanted in DECISIONS:
+            return self.listing(queue=queue, tool=tool, state=wanted,
+                                limit=limit or 1_000_000, offset=offset).approvals
+        self.expire_overdue()
         found = [
             approval for approval in self.runtime.approvals.listed()
             if (queue is None or approval.queue == queue)
@@ -145,8 +150,14 @@ class Approvals:
                 state: ApprovalState | str | None = None, limit: int = 50,
                 offset: int = 0) -> ApprovalListing:
         """:meth:`list`'s calls from ``offset`` on, at most ``limit``, with how many
-        match in all."""
-        found = self.list(queue=queue, tool=tool, state=state)
+        match in all (decided calls: a page costs what it shows)."""
+        wanted = ApprovalState.coerce(state) if state is not None else None
+        if wanted in DECISIONS:
+            self.expire_overdue()
+            page = self.runtime.approvals.decided(wanted, queue=queue, tool=tool, limit=limit,
+                                                  offset=offset)
+            return ApprovalListing(page.approvals, offset, limit, page.total)
+        found = self.list(queue=queue, tool=tool, state=wanted)
         return ApprovalListing(found[offset:offset + limit], offset, limit, len(found))
 
     def get(self, task_id: str) -> Approval | None:

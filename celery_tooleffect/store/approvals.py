@@ -16,11 +16,24 @@ parked: calls awaiting a decision, or the publication of one) and
 every decision repair them, and a listing skips entries whose record is gone.
 The number of pending calls is human-sized (each waits for a person), so
 listing and counting read the pending index whole (three round trips).
+
+A decided call leaves the pending index once its message is published again,
+but stays listed by its decision for ``tooleffect_approval_retention``
+(:meth:`ApprovalStore.decided`): each decision (approved, rejected, expired)
+adds it, scored by the time of the decision, to ``approvals:decided:<state>``
+and to that index per queue, per tool and per queue and tool (so a filtered
+page reads only what it shows), written right after the decision's script,
+best effort, and trimmed of what is past the retention as it is written. A
+page of decided calls costs three round trips and ``O(log n + limit)``,
+whatever the number of decisions kept. The record of a decided call lives at
+least as long (:attr:`Settings.approval_ttl`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -38,7 +51,13 @@ from .connections import client_for
 from .envelope import MessageEnvelope
 from .keys import Keys
 from .lua import script
-from .states import approval_argument
+from .states import END_REFUSED_FROM, approval_argument
+
+logger = logging.getLogger(__name__)
+
+#: The decisions a call stays listed by (``approvals list --state``) for
+#: ``tooleffect_approval_retention``.
+DECISIONS = frozenset({ApprovalState.APPROVED, ApprovalState.REJECTED, ApprovalState.EXPIRED})
 
 
 @dataclass(frozen=True)
@@ -135,6 +154,15 @@ class ApprovalMove:
         return self.moved
 
 
+@dataclass(frozen=True)
+class DecidedPage:
+    """One page of :meth:`ApprovalStore.decided`: the calls decided so, newest
+    decision first, and how many are listed so in all (on any page)."""
+
+    approvals: list[Approval]
+    total: int
+
+
 class ApprovalStore:
     """Approval records and their indexes, each step atomic with its audit event."""
 
@@ -203,6 +231,9 @@ class ApprovalStore:
         """Move the record to ``new_state`` from one of ``allowed``, with ``event``,
         atomically; false (nothing changed) when it is in another state.
 
+        A decision (``new_state`` in :data:`DECISIONS`) that moved the record is
+        then listed by it (:meth:`index_decision`, at ``fields["decided_at"]``).
+
         Raises :class:`StoreUnavailable` when nothing could be stored.
         """
         record = flatten(fields or {})
@@ -216,7 +247,40 @@ class ApprovalStore:
             )
         except redis.RedisError as exc:
             raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
-        return ApprovalMove(text(answer[0]) == "ok", ApprovalState.coerce(text(answer[1])))
+        move = ApprovalMove(text(answer[0]) == "ok", ApprovalState.coerce(text(answer[1])))
+        if move and new_state in DECISIONS:
+            decided_at = _seconds((fields or {}).get("decided_at")) or time.time()
+            self.index_decision(approval, new_state, decided_at)
+        return move
+
+    def _decided_keys(self, state: ApprovalState, queue: str, tool: str) -> list[str]:
+        decided = self.keys.approvals_decided
+        return [decided(state.value), decided(state.value, queue=queue),
+                decided(state.value, tool=tool), decided(state.value, queue=queue, tool=tool)]
+
+    def index_decision(self, approval: Approval, state: ApprovalState,
+                       decided_at: float) -> bool:
+        """List ``approval`` as decided ``state`` at ``decided_at`` (unix seconds)
+        for ``tooleffect_approval_retention``: one round trip that adds it to its
+        four decided indexes, trims them of decisions past the retention and
+        sets them to expire with the newest. Idempotent. Never raises: False
+        when the store refused (the decision stands, and is not listed by it).
+        """
+        retention = self.settings.approval_retention
+        horizon = f"({time.time() - retention:.6f}"
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in self._decided_keys(state, approval.queue, approval.name):
+                    pipe.zadd(key, {approval.task_id: decided_at})
+                    pipe.zremrangebyscore(key, "-inf", horizon)
+                    pipe.expire(key, max(math.ceil(retention), 1))
+                pipe.execute()
+        except redis.RedisError as exc:
+            logger.warning("%s[%s] was %s, but is not listed as such (%s: %s)",
+                           approval.name, approval.task_id, state.value,
+                           type(exc).__name__, exc)
+            return False
+        return True
 
     def is_listed(self, task_id: str) -> bool:
         """Whether the call is on the pending index (awaiting a decision or its publication)."""
@@ -273,10 +337,65 @@ class ApprovalStore:
         return [Approval.from_record({text(k): text(v) for k, v in record.items()})
                 for record in records if record]
 
+    def decided(self, state: ApprovalState | str, *, queue: str | None = None,
+                tool: str | None = None, limit: int = 50, offset: int = 0,
+                now: float | None = None) -> DecidedPage:
+        """The calls decided ``state`` (approved, rejected, expired) within the last
+        ``tooleffect_approval_retention`` seconds, newest decision first, of
+        ``queue`` and ``tool`` when given: ``limit`` of them from ``offset``.
+
+        Whether or not their message was published again since: the record as
+        it is now (a rejected or expired call a worker ended is ``ended``).
+        Entries whose record is gone, or was parked again since (a replay of
+        the task after its record expired), are skipped; ``total`` counts them.
+        Three round trips, reading only this page's entries. Raises
+        :class:`StoreUnavailable` when the store does not answer.
+        """
+        wanted = ApprovalState.coerce(state)
+        if wanted not in DECISIONS:
+            raise ValueError(f"not a decision: {wanted.value!r} (one of "
+                             f"{', '.join(sorted(d.value for d in DECISIONS))})")
+        key = self.keys.approvals_decided(
+            wanted.value, queue=queue or None, tool=tool or None)
+        since = f"{(time.time() if now is None else now) - self.settings.approval_retention:.6f}"
+        client = self.client
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                pipe.zrevrangebyscore(key, "+inf", since, start=offset, num=limit)
+                pipe.zcount(key, since, "+inf")
+                members, total = pipe.execute()
+            task_ids = [text(member) for member in members]
+            if not task_ids:
+                return DecidedPage([], int(total))
+            located = [(task_id, text(run_id)) for task_id, run_id in zip(
+                task_ids, client.hmget(self.keys.approvals_where, task_ids), strict=True)
+                if run_id is not None]
+            with client.pipeline(transaction=False) as pipe:
+                for task_id, run_id in located:
+                    pipe.hgetall(self.keys.approval(run_id, task_id))
+                records = pipe.execute()
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
+        found = [Approval.from_record({text(k): text(v) for k, v in record.items()})
+                 for record in records if record]
+        return DecidedPage(
+            [approval for approval in found
+             if approval.state is wanted
+             or (approval.state is ApprovalState.ENDED and wanted in END_REFUSED_FROM)],
+            int(total),
+        )
+
     def pending_counts(self) -> Counter[tuple[str, str]]:
         """How many calls await a decision, by (queue, tool)."""
         return Counter((approval.queue, approval.name) for approval in self.listed()
                        if approval.state is ApprovalState.PENDING)
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
 
 
 def overdue_before(settings: Settings, now: float | None = None) -> float:

@@ -290,14 +290,18 @@ class AuditLog:
         except Exception as exc:
             logger.debug("global audit copy skipped: %s", exc)
 
-    def events(self, run_id: str) -> list[dict[str, str]]:
+    def events(self, run_id: str) -> list[AuditEvent]:
         """The events of ``run_id`` in the order they were stored, oldest first.
 
-        Each event also carries its stream entry ``id``. Reads only that run's
-        stream.
+        Each is an :class:`AuditEvent` read back (:meth:`AuditEvent.from_stream`):
+        typed attributes (``ts``, ``attempt``, ``duration_ms``, ``redelivered``,
+        the chain's ``seq``, ``prev``, ``hash``, and ``entry_id``), and the
+        mapping of its stored fields' text with its stream entry ``id``
+        (``event["status"]``, ``dict(event)``). Reads only that run's stream.
         """
         entries: Sequence[Any] = self.client.xrange(self.keys.run_events(run_id)) or []
-        return [{"id": text(entry_id), **_decode(fields)} for entry_id, fields in entries]
+        return [AuditEvent.from_stream(text(entry_id), _decode(fields))
+                for entry_id, fields in entries]
 
     def verify(self, run_id: str) -> ChainCheck:
         """Check the hash chain of ``run_id``'s events; report the first broken link.
@@ -336,7 +340,11 @@ class AuditLog:
             name = text(key)[len(self.keys.prefix):]
             yield unescape_hash_tag(name[1:name.rindex("}:events")])
 
-    def tail(self, count: int = 100) -> list[dict[str, str]]:
-        """The newest ``count`` events of all runs, oldest first."""
+    def tail(self, count: int = 100) -> list[AuditEvent]:
+        """The newest ``count`` events of all runs, oldest first, read back as
+        :meth:`events` reads them (``entry_id`` and ``id`` are the global
+        stream's; a copy there carries no chain: ``seq``, ``prev`` and ``hash``
+        are None unless the copy holds them)."""
         entries: Sequence[Any] = self.client.xrevrange(self.keys.global_events, count=count) or []
-        return [{"id": text(entry_id), **_decode(fields)} for entry_id, fields in reversed(entries)]
+        return [AuditEvent.from_stream(text(entry_id), _decode(fields))
+                for entry_id, fields in reversed(entries)]

@@ -15,6 +15,11 @@ def hash_tag(value: str) -> str:
     return value.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
 
 
+def _facet(value: str) -> str:
+    """``value`` made safe to be one ``:``-separated part of a key name."""
+    return hash_tag(value).replace(":", "%3A")
+
+
 def unescape_hash_tag(value: str) -> str:
     """The inverse of :func:`hash_tag`."""
     return value.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
@@ -127,3 +132,15 @@ class Keys:
     def approvals_where(self) -> str:
         """Task id to run id, so that an approval is found by task id alone."""
         return f"{self.prefix}approvals:where"
+
+    def approvals_decided(self, state: str, *, queue: str | None = None,
+                          tool: str | None = None) -> str:
+        """The sorted set of the calls decided ``state`` (``approved``,
+        ``rejected``, ``expired``), by the time of the decision: all of them, or
+        those of one queue, of one tool, or of both."""
+        key = f"{self.prefix}approvals:decided:{state}"
+        if queue is not None:
+            key += f":queue:{_facet(queue)}"
+        if tool is not None:
+            key += f":tool:{_facet(tool)}"
+        return key

@@ -228,7 +228,8 @@ class EvictionWatcher:
                 logger.warning(
                     "celery-tooleffect: %s (%s) has evicted %d key(s) since this worker "
                     "started (evicted_keys %d): %s; set maxmemory-policy noeviction "
-                    "(logged once)", server.role, server.address, evicted - first, evicted,
+                    "(logged once); see docs/operations.md#eviction",
+                    server.role, server.address, evicted - first, evicted,
                     CONSEQUENCES[server.roles[0]],
                 )
 
@@ -248,7 +249,8 @@ class EvictionWatch(bootsteps.StartStopStep):  # type: ignore[misc]
         try:
             watcher = EvictionWatcher(servers(runtime_for(worker.app)))
         except Exception as exc:  # never stops the worker
-            logger.warning("celery-tooleffect: evictions are not watched: %r", exc)
+            logger.warning("celery-tooleffect: evictions are not watched: %r; see "
+                           "docs/operations.md#eviction", exc)
             return
         watcher.check()  # the counts at start
         self.tref = worker.timer.call_repeatedly(CHECK_INTERVAL, watcher.check)

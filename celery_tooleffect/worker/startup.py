@@ -35,6 +35,10 @@ error; one that only weakens it is warned about loudly:
   that the store cannot give, are refused; a store with replicas and no
   ``WAIT`` is warned about (:mod:`celery_tooleffect.worker.replication`).
 
+Every warning it logs names its section of ``docs/operations.md`` ("Start-up
+warnings": what it means and what to do), e.g. ``see
+docs/operations.md#prefetch``.
+
 And one thing it keeps doing while it runs (:class:`DeclaredEffects`): it
 publishes the effect each of its tools declares, with its release
 (``tooleffect_release``), in the store
@@ -154,21 +158,25 @@ def run_checks(app: Any) -> None:
     refusals += evictions
     if refusals:
         raise ConfigurationError("celery-tooleffect: " + "; ".join(refusals))
-    for warning in [*store_warnings, *eviction_warnings]:
-        logger.warning("celery-tooleffect: %s", warning)
+    for warning in store_warnings:
+        logger.warning("celery-tooleffect: %s; see docs/operations.md#replicas", warning)
+    for warning in eviction_warnings:
+        logger.warning("celery-tooleffect: %s; see docs/operations.md#eviction", warning)
     if not settings.broker_is_redis:
         interval = heartbeat_interval(settings, None)
         logger.warning(
             "celery-tooleffect: the broker has no visibility timeout (RabbitMQ gives a "
             "message back when its channel closes): every write heartbeats a journal lease "
-            "of %gs (3 x tooleffect_heartbeat_interval); there is no broker lease to extend",
+            "of %gs (3 x tooleffect_heartbeat_interval); there is no broker lease to extend; "
+            "see docs/operations.md#heartbeats-on-rabbitmq",
             3 * interval,
         )
     prefetch = app.conf.worker_prefetch_multiplier
     if prefetch != 1:
         logger.warning(
             "celery-tooleffect: worker_prefetch_multiplier is %s; 1 is recommended for tool "
-            "queues (prefetched messages wait with their visibility timeout running)",
+            "queues (prefetched messages wait with their visibility timeout running); see "
+            "docs/operations.md#prefetch",
             prefetch,
         )
     if settings.broker_is_redis:
@@ -179,10 +187,11 @@ def run_checks(app: Any) -> None:
                     "celery-tooleffect: %s: a self.retry() without a countdown waits its "
                     "default_retry_delay (%ss), not below the visibility_timeout (%ss): the "
                     "waiting retry would be restored and delivered twice (a write is then "
-                    "deferred, a read runs twice)", name, delay, settings.visibility_timeout,
+                    "deferred, a read runs twice); see docs/operations.md#retry-delay",
+                    name, delay, settings.visibility_timeout,
                 )
     for warning in persistence_warnings(settings):
-        logger.warning("celery-tooleffect: %s", warning)
+        logger.warning("celery-tooleffect: %s; see docs/operations.md#persistence", warning)
 
 
 class StartupChecks(bootsteps.Step):  # type: ignore[misc]
@@ -232,7 +241,8 @@ class EffectDeclarer:
         except StoreUnavailable as exc:
             if not self._store_down:  # once per outage, not once per tick
                 logger.warning("celery-tooleffect: the effects of %s's tools are not "
-                               "published: %s", self.worker, exc)
+                               "published: %s; see docs/operations.md#declared-effects",
+                               self.worker, exc)
             self._store_down = True
             return
         self._store_down = False
@@ -248,7 +258,8 @@ class EffectDeclarer:
                 "live worker %s. Releases disagree about its effect (a rolling upgrade?): "
                 "each call is handled under the strictest effect its journal recorded, so a "
                 "call recorded %s stays %s on every worker; finish the upgrade or roll it "
-                "back (celery -A app tooleffect tools lists the workers)",
+                "back (celery -A app tooleffect tools lists the workers); see "
+                "docs/operations.md#declared-effects",
                 found.tool, found.effect, own.label(), found.other_effect,
                 found.other.label(), strictest, strictest,
             )
@@ -295,7 +306,8 @@ class DeclaredEffects(bootsteps.StartStopStep):  # type: ignore[misc]
                 tools=tools, ttl=self.interval * self.lives,
             )
         except Exception as exc:  # never stops the worker
-            logger.warning("celery-tooleffect: declared effects are not published: %r", exc)
+            logger.warning("celery-tooleffect: declared effects are not published: %r; see "
+                           "docs/operations.md#declared-effects", exc)
             return
         self.declarer.refresh()
         self.tref = worker.timer.call_repeatedly(self.interval, self.declarer.refresh)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import math
 from typing import Any
 
 import pytest
@@ -42,6 +43,7 @@ def test_the_defaults() -> None:
     assert resolved.rabbitmq_consumer_timeout == 1800.0
     assert resolved.reconcile_timeout == 30.0
     assert resolved.approval_timeout == 24 * 3600.0
+    assert resolved.approval_retention == 7 * 24 * 3600.0
     assert not resolved.allow_eviction and not resolved.redis_cluster
     assert (resolved.store_replicas, resolved.store_fsync, resolved.store_wait_timeout) == (
         0, False, 1.0)
@@ -218,17 +220,31 @@ def test_backoff_doubles_up_to_its_cap(base: float, cap: float, retries: int) ->
 
 @PROPERTIES
 @given(retention=st.integers(0, 10**7), visibility=st.floats(1, 10**5),
-       retries=st.integers(0, 20), cap=st.floats(0, 10**4), approval=st.floats(0, 10**6))
+       retries=st.integers(0, 20), cap=st.floats(0, 10**4), approval=st.floats(0, 10**6),
+       listed=st.floats(0, 10**8))
 def test_a_journal_entry_outlives_every_redelivery_of_its_message(
-        retention: int, visibility: float, retries: int, cap: float, approval: float) -> None:
+        retention: int, visibility: float, retries: int, cap: float, approval: float,
+        listed: float) -> None:
     resolved = dataclasses.replace(_base(), retention=retention, visibility_timeout=visibility,
                                    max_retries=retries, backoff_cap=cap,
-                                   approval_timeout=approval)
+                                   approval_timeout=approval, approval_retention=listed)
     ttl = resolved.journal_ttl
     assert ttl >= retention
     assert ttl >= int(visibility * (retries + 2) + cap * retries)
     assert ttl == int(max(retention, visibility * (retries + 2) + cap * retries))
-    assert resolved.approval_ttl == int(approval) + ttl
+    # An approval record outlives its timeout, then its journal entry's life and
+    # the time its decision stays listed.
+    assert resolved.approval_ttl >= int(approval) + ttl
+    assert resolved.approval_ttl >= int(approval) + listed
+    assert resolved.approval_ttl == int(approval) + max(ttl, math.ceil(listed))
+
+
+@pytest.mark.parametrize("value", [-1, "soon", True, float("inf")])
+def test_the_approval_retention_is_a_number_of_seconds(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="tooleffect_approval_retention"):
+        settings_for(app_with(tooleffect_approval_retention=value))
+    assert settings_for(app_with(tooleffect_approval_retention=0)).approval_retention == 0.0
+    assert settings_for(app_with(tooleffect_approval_retention="60")).approval_retention == 60.0
 
 
 def test_hand_made_settings_resolve_their_endpoints_from_their_urls() -> None:

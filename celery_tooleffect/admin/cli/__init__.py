@@ -7,22 +7,23 @@ the app from Celery's own ``-A``, and as the console script
 Commands, one module each::
 
     dlq list [--queue Q] [--dead-letter-reason R] [--failure-class C] [--effect E]
-             [--limit N] [--cursor C] [--json]
+             [--limit N] [--cursor C] [--json | --wide]
     dlq show TASK_ID [--json]
     dlq replay TASK_ID... | --all [filters]   [--force] [--reason TEXT] [--json]
     dlq purge TASK_ID... | --all --older-than DURATION [filters]  [--yes] [--reason TEXT]
     dlq reconcile TASK_ID... | --all [filters]  [--json]
-    dlq stats [--json]
-    approvals list [--queue Q] [--tool NAME] [--state S] [--limit N] [--offset N] [--json]
+    dlq stats [--json | --wide]
+    approvals list [--queue Q] [--tool NAME] [--state S] [--limit N] [--offset N]
+                   [--json | --wide]
     approvals show TASK_ID [--json]
     approvals approve TASK_ID... [--reason TEXT] [--by NAME] [--json]
     approvals reject TASK_ID... --reason TEXT [--by NAME] [--json]
-    approvals stats [--json]
-    audit show RUN_ID [--json]
+    approvals stats [--json | --wide]
+    audit show RUN_ID [--json | --wide]
     audit verify RUN_ID... | --all [--json]
-    audit tail [--count N] [--follow] [--json]
-    runs show RUN_ID [--cursor C] [--limit N] [--json]
-    tools [--json]
+    audit tail [--count N] [--follow] [--json | --wide]
+    runs show RUN_ID [--cursor C] [--limit N] [--json | --wide]
+    tools [--json | --wide]
     flower [flower options]
     mcp [--transport stdio|streamable-http] [--host H] [--port P] [--tool PATTERN]...
         [--token-env NAME]
@@ -39,7 +40,9 @@ down, or invalid settings end any command with one line on stderr (which
 store, its URL without password, and the error) and exit code 1, never a
 traceback: every command is a :class:`~.base.StoreCommand`.
 
-Human output is an aligned table no wider than the terminal; ``--json``
+Human output is an aligned table no wider than the terminal (``$COLUMNS``,
+else 80 columns without one: ids and tool names are never cut, less important
+columns are left out first and named; ``--wide`` prints every column whole); ``--json``
 output is stable and documented (a listing's JSON is the one Flower's API
 answers). Who acts is ``$TOOLEFFECT_ACTOR``, else ``user@host``; it is
 written in the audit event of every replay and purge, and of every approval

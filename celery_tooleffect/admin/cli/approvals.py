@@ -15,11 +15,23 @@ from typing import Any
 
 import click
 
+from ...states import ApprovalState
+from ...store.approvals import Approval
 from ..approvals import Approvals
 from ..filters import LISTED_APPROVAL_STATES
 from ..operations import REASON_LIMIT, default_actor
 from ..table import key_values, render, terminal_width
-from .base import NEEDS_STORE, ToolEffectGroup, app_of, echo_json, fail, report, runtime_of, when
+from .base import (
+    NEEDS_STORE,
+    ToolEffectGroup,
+    app_of,
+    echo_json,
+    fail,
+    report,
+    runtime_of,
+    when,
+    wide_option,
+)
 
 
 @click.group(cls=ToolEffectGroup)
@@ -50,22 +62,46 @@ def _arguments(arguments: Mapping[str, str]) -> str:
     return " ".join(f"{name}={value}" for name, value in arguments.items()) or "-"
 
 
+def _state(approval: Approval, wanted: ApprovalState | None) -> str:
+    """A row's state: a rejected or expired call a worker ended says both."""
+    if wanted is not None and approval.state is ApprovalState.ENDED:
+        return f"{wanted.value}, ended"
+    return approval.state.value
+
+
 @approvals.command("list", needs=NEEDS_STORE)
 @click.option("--queue", "-Q", metavar="QUEUE", help="Only this queue.")
 @click.option("--tool", "-t", metavar="NAME", help="Only this tool (task name).")
 @click.option("--state", "-s", type=click.Choice(LISTED_APPROVAL_STATES),
-              help="Only this state (decided calls are listed until published again).")
+              help="pending: the calls waiting for a decision. approved, rejected, expired: "
+                   "the calls decided so within tooleffect_approval_retention (default 7 "
+                   "days), newest decision first, also once their message was published "
+                   "again.")
 @click.option("--limit", "-n", type=click.IntRange(1, 1000), default=50, show_default=True,
               help="How many to show.")
 @click.option("--offset", type=click.IntRange(0), default=0, show_default=True,
               help="Skip this many first (the next page: --offset plus --limit).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the documentation).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"approvals": [...], "count"} (stable, see '
+                   "docs/operations.md#from-the-command-line).")
+@wide_option
 @click.pass_context
 def approvals_list(ctx: click.Context, queue: str | None, tool: str | None,
-                   state: str | None, limit: int, offset: int, as_json: bool) -> None:
-    """List calls waiting for approval (and decided ones not yet published), oldest first."""
-    page = _approvals(ctx).listing(queue=queue or None, tool=tool or None,
-                                   state=state or None, limit=limit, offset=offset)
+                   state: str | None, limit: int, offset: int, as_json: bool,
+                   wide: bool) -> None:
+    """List the calls waiting for approval (and decided ones whose message is not
+    published again yet), oldest first; with --state approved, rejected or
+    expired, the calls decided so within tooleffect_approval_retention, newest
+    decision first.
+
+    The table keeps the task id and the tool whole at any width; the other
+    columns are left out, least important first, when they do not fit
+    (--wide prints them all).
+    """
+    operations = _approvals(ctx)
+    wanted = ApprovalState.coerce(state) if state else None
+    page = operations.listing(queue=queue or None, tool=tool or None, state=state or None,
+                              limit=limit, offset=offset)
     if as_json:
         echo_json(page.to_dict())
         return
@@ -76,14 +112,19 @@ def approvals_list(ctx: click.Context, queue: str | None, tool: str | None,
     now = time.time()
     # How long each call has waited, not when it was parked (show and --json
     # give the time): the table stays narrow enough for the tool's name.
-    click.echo(render(
-        ["TASK ID", "TOOL", "QUEUE", "STATE", "WAITED", "ARGUMENTS"],
-        [[approval.task_id, approval.name or "-", approval.queue, approval.state.value,
-          _age(approval.requested_at, now), _arguments(approval.arguments)]
-         for approval in found],
-        shrink=["ARGUMENTS", "TOOL", "QUEUE"],
-        optional=["ARGUMENTS", "QUEUE", "WAITED"],
-    ))
+    headers = ["TASK ID", "TOOL", "QUEUE", "STATE", "WAITED", "ARGUMENTS"]
+    rows = [[approval.task_id, approval.name or "-", approval.queue, _state(approval, wanted),
+             _age(approval.requested_at, now), _arguments(approval.arguments)]
+            for approval in found]
+    optional = ["ARGUMENTS", "QUEUE", "WAITED"]
+    if any(approval.decided_at is not None for approval in found):
+        headers[5:5] = ["DECIDED", "BY"]
+        for approval, row in zip(found, rows, strict=True):
+            row[5:5] = ([f"{_age(approval.decided_at, now)} ago", approval.decided_by or "-"]
+                        if approval.decided_at is not None else ["-", "-"])
+        optional = ["ARGUMENTS", "QUEUE", "WAITED", "BY", "DECIDED"]
+    click.echo(render(headers, rows, shrink=["ARGUMENTS", "QUEUE", "BY"], optional=optional,
+                      wide=wide, hint=True))
     shown = f"{len(found)} shown"
     if page.next_offset is not None:
         shown += f"; next page: --offset {page.next_offset}"
@@ -92,7 +133,9 @@ def approvals_list(ctx: click.Context, queue: str | None, tool: str | None,
 
 @approvals.command("show", needs=NEEDS_STORE)
 @click.argument("task_id")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the documentation).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON: the record, and what approvers see of its arguments "
+                   "(\"shown\"; see docs/operations.md#what-approvers-see).")
 @click.pass_context
 def approvals_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Show one call's approval record in full, pending or decided."""
@@ -100,8 +143,10 @@ def approvals_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if approval is None:
         fail(f"{task_id}: no such approval (the call never waited for one, "
               "or its record expired)")
+    operations = _approvals(ctx)
+    shown = operations.arguments(approval)
     if as_json:
-        echo_json(approval.to_dict())
+        echo_json({**approval.to_dict(), "shown": shown.to_dict()})
         return
     width = terminal_width()
     decided = approval.decided_at is not None
@@ -121,8 +166,16 @@ def approvals_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
         ("message kept", "yes" if approval.message is not None else "no"),
     ]
     click.echo(key_values(pairs, width=width))
-    click.echo("\narguments:")
-    text = json.dumps(dict(approval.arguments), ensure_ascii=False, sort_keys=True)
+    if shown.problem:
+        click.echo(f"\narguments: not shown: {shown.problem}")
+        return
+    if shown.view is not None:
+        click.echo("\narguments (as the tool shows them to approvers):")
+        text = json.dumps(shown.view, ensure_ascii=False, sort_keys=True)
+    else:
+        click.echo("\narguments:")
+        text = json.dumps({"args": shown.args, "kwargs": shown.kwargs}, ensure_ascii=False,
+                          sort_keys=True)
     click.echo(textwrap.fill(text, width=width, initial_indent="  ", subsequent_indent="  ",
                              break_long_words=True))
 
@@ -134,7 +187,9 @@ def _decision_options(command: Any) -> Any:
                          help="Who decides, for the audit (default: $TOOLEFFECT_ACTOR, "
                               "else user@host)."),
             click.option("--json", "as_json", is_flag=True,
-                         help="Print JSON (as dlq replay --json)."),
+                         help='Print JSON: {"results": [...], "done", "refused", "not_found", '
+                              '"failed"}, as dlq replay --json (stable, see '
+                              "docs/operations.md#from-the-command-line)."),
         ]
     ):
         command = option(command)
@@ -179,9 +234,12 @@ def approvals_reject(ctx: click.Context, task_ids: tuple[str, ...], why: str,
 
 
 @approvals.command("stats", needs=NEEDS_STORE)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the documentation).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"pending", "by_queue", "by_tool", "by_queue_and_tool"} '
+                   "(stable, see docs/operations.md#from-the-command-line).")
+@wide_option
 @click.pass_context
-def approvals_stats(ctx: click.Context, as_json: bool) -> None:
+def approvals_stats(ctx: click.Context, as_json: bool, wide: bool) -> None:
     """Count the calls waiting for approval, by queue and by tool."""
     stats = _approvals(ctx).stats()
     if as_json:
@@ -191,5 +249,6 @@ def approvals_stats(ctx: click.Context, as_json: bool) -> None:
     for title, counts in (("queue", stats["by_queue"]), ("tool", stats["by_tool"])):
         for value, count in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
             rows.append([title, value, str(count)])
-    click.echo(render(["BY", "VALUE", "PENDING"], rows, shrink=["VALUE"]))
+    # A value (a queue, a tool's name) is never cut.
+    click.echo(render(["BY", "VALUE", "PENDING"], rows, whole=["VALUE"], wide=wide))
 

@@ -10,9 +10,22 @@ from typing import Any
 
 import click
 
+from ...events import AuditEvent
 from ...store.audit import text
-from ..table import clip, cut, render, terminal_width
-from .base import EXIT_REFUSED, NEEDS_STORE, ToolEffectGroup, echo_json, fail, runtime_of, when
+from ..table import layout, render, terminal_width
+from .base import (
+    EXIT_REFUSED,
+    NEEDS_STORE,
+    ToolEffectGroup,
+    echo_json,
+    fail,
+    runtime_of,
+    when,
+    wide_option,
+)
+
+#: Where the ``--json`` forms are documented.
+JSON_DOCS = "stable, see docs/operations.md#json-output"
 
 
 @click.group(cls=ToolEffectGroup)
@@ -35,27 +48,39 @@ def _event_row(event: Mapping[str, str]) -> list[str]:
 
 @audit.command("show", needs=NEEDS_STORE)
 @click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"run_id", "events": [...]}, each event its stored fields '
+                   f"as text and its stream entry id ({JSON_DOCS}).")
+@wide_option
 @click.pass_context
-def audit_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
-    """Show the audit events of one run, oldest first."""
+def audit_show(ctx: click.Context, run_id: str, as_json: bool, wide: bool) -> None:
+    """Show the audit events of one run, oldest first.
+
+    The table keeps the task id and the tool whole at any width; the other
+    columns are left out, least important first, when they do not fit
+    (--wide prints them all).
+    """
     events = runtime_of(ctx).audit.events(run_id)
     if as_json:
-        echo_json({"run_id": run_id, "events": events})
+        # Each event as the stream holds it: its fields' text, not parsed.
+        echo_json({"run_id": run_id, "events": [dict(event) for event in events]})
         if not events:
             sys.exit(EXIT_REFUSED)
         return
     if not events:
         fail(f"{run_id}: no audit events for this run")
     click.echo(render(_EVENT_HEADERS, [_event_row(event) for event in events],
-                      shrink=["TOOL", "BY", "EXCEPTION"],
-                      optional=["BY", "EXCEPTION", "TIME (UTC)", "CLASS", "TRY", "TOOL"]))
+                      shrink=["BY", "EXCEPTION"],
+                      optional=["BY", "EXCEPTION", "CLASS", "TRY", "TIME (UTC)", "SEQ"],
+                      wide=wide, hint=True))
 
 
 @audit.command("verify", needs=NEEDS_STORE)
 @click.argument("run_ids", nargs=-1)
 @click.option("--all", "every", is_flag=True, help="Verify every run in the store.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"runs": [{"run_id", "events", "intact", "broken_at", '
+                   f'"problem"}}]}} ({JSON_DOCS}).')
 @click.pass_context
 def audit_verify(ctx: click.Context, run_ids: tuple[str, ...], every: bool,
                  as_json: bool) -> None:
@@ -89,51 +114,68 @@ def audit_verify(ctx: click.Context, run_ids: tuple[str, ...], every: bool,
         sys.exit(EXIT_REFUSED)
 
 
-#: Widths of the tail's padded fields: time, phase, status. The ids follow in full
-#: (an operator copies them), then the tool, class and who; lines are clipped
-#: at the terminal's width.
-_TAIL_WIDTHS = (8, 14, 13)
+#: The tail's columns; the ids and the tool are never cut, the others are left
+#: out, least important first (:data:`_TAIL_OPTIONAL`), when they do not fit.
+_TAIL_HEADERS = ["TIME (UTC)", "RUN ID", "TASK ID", "TOOL", "PHASE", "STATUS", "CLASS", "BY"]
+_TAIL_OPTIONAL = ["BY", "CLASS", "TIME (UTC)", "RUN ID"]
+#: What ``--follow`` plans for when no event is shown first (later events are
+#: laid out as the first ones): a task id and a run id as long as a UUID.
+_TAIL_EXPECT = {"RUN ID": 36, "TASK ID": 36}
 
 
-def _tail_line(event: Mapping[str, str], width: int) -> str:
+def _tail_row(event: Mapping[str, str]) -> list[str]:
     ts = event.get("ts", "")
-    moment = when(ts)[11:19] if ts and ts[0].isdigit() else ts
-    padded = (moment, event.get("phase", ""), event.get("status", ""))
-    text = " ".join(cut(value, w).ljust(w) for value, w in zip(padded, _TAIL_WIDTHS,
-                                                              strict=True))
-    rest = [event.get("run_id", ""), event.get("task_id", ""), event.get("tool", ""),
-            event.get("failure_class", ""), event.get("actor") or event.get("worker", "")]
-    return clip(" ".join([text, *(value for value in rest if value)]).rstrip(), width)
+    return [when(ts)[11:19] if ts and ts[0].isdigit() else ts, event.get("run_id", ""),
+            event.get("task_id", ""), event.get("tool", ""), event.get("phase", ""),
+            event.get("status", ""), event.get("failure_class", ""),
+            event.get("actor") or event.get("worker", "")]
 
 
 @audit.command("tail", needs=NEEDS_STORE)
 @click.option("--count", "-n", type=click.IntRange(1, 10_000), default=20, show_default=True,
               help="How many of the newest events to show first.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new events (Ctrl-C stops).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per line: an event's stored fields as text and its "
+                   f"stream entry id, id ({JSON_DOCS}).")
+@wide_option
 @click.pass_context
-def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool) -> None:
-    """Show the newest events of all runs (the global stream); --follow keeps going."""
+def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool,
+               wide: bool) -> None:
+    """Show the newest events of all runs (the global stream); --follow keeps going.
+
+    The table keeps the task id and the tool whole at any width; the other
+    columns are left out, least important first, when they do not fit
+    (--wide prints them all). With --follow, new events are laid out as the
+    first ones.
+    """
     log = runtime_of(ctx).audit
     width = terminal_width()
 
-    def emit(event: Mapping[str, str]) -> None:
-        if as_json:
-            click.echo(json.dumps(dict(event), sort_keys=True, ensure_ascii=False))
-        else:
-            click.echo(_tail_line(event, width))
-
     try:
         events = log.tail(count)
+        rows = [_tail_row(event) for event in events]
+        table = layout(_TAIL_HEADERS, rows, width=width, optional=_TAIL_OPTIONAL, wide=wide,
+                       expect=_TAIL_EXPECT if follow and not events else None)
+
+        def emit(event: AuditEvent) -> None:
+            if as_json:
+                # As the stream holds it: its fields' text, not parsed.
+                click.echo(json.dumps(dict(event), sort_keys=True, ensure_ascii=False))
+            else:
+                click.echo(table.line(_tail_row(event)))
+
         if not as_json:
-            click.echo(_tail_line({"ts": "UTC", "run_id": "RUN ID", "task_id": "TASK ID",
-                                   "tool": "TOOL", "phase": "PHASE", "status": "STATUS",
-                                   "failure_class": "CLASS", "actor": "BY"}, width))
+            for line in table.heading():
+                click.echo(line)
         for event in events:
             emit(event)
         if not follow:
+            if not as_json:
+                for line in table.note(width):
+                    click.echo(line)
             return
-        last = events[-1]["id"] if events else "$"
+        last = (events[-1].entry_id or "$") if events else "$"
         client = log.client
         key = log.keys.global_events
         while True:
@@ -142,7 +184,8 @@ def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool) -> N
             for _stream, entries in replies:
                 for entry_id, fields in entries:
                     last = text(entry_id)
-                    emit({"id": last, **{text(k): text(v) for k, v in fields.items()}})
+                    emit(AuditEvent.from_stream(
+                        last, {text(k): text(v) for k, v in fields.items()}))
             sys.stdout.flush()
     except KeyboardInterrupt:
         return

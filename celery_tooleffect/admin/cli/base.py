@@ -132,6 +132,17 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_REFUSED)
 
 
+def wide_option(command: Any) -> Any:
+    """``--wide``: the table with every column and nothing cut (see
+    :mod:`celery_tooleffect.admin.table`), however wide that is."""
+    return click.option(
+        "--wide", is_flag=True,
+        help="Print every column, nothing cut, however wide the lines get (without it the "
+             "table fits the terminal, $COLUMNS, else 80 columns: ids and tool names are "
+             "never cut, less important columns are left out first).",
+    )(command)
+
+
 def echo_json(data: Any) -> None:
     """``data`` as the commands' ``--json`` print it: indented, keys sorted."""
     click.echo(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False, default=str))

@@ -30,7 +30,12 @@ from .base import (
     operations_of,
     report,
     when,
+    wide_option,
 )
+
+#: Where the ``--json`` forms are documented.
+JSON_DOCS = "stable, see docs/operations.md#json-output"
+
 
 
 @click.group(cls=ToolEffectGroup)
@@ -70,12 +75,20 @@ def _refuse_reason_filter(ctx: click.Context, param: click.Parameter, value: Any
               help="How many to show.")
 @click.option("--cursor", metavar="CURSOR",
               help="Start after this cursor (the next_cursor of an earlier page).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"dead_letters": [...], "next_cursor", "total"} '
+                   f"({JSON_DOCS}).")
+@wide_option
 @click.pass_context
 def dlq_list(ctx: click.Context, queue: str | None, dead_letter_reason: str | None,
              failure_class: str | None, effect: str | None, limit: int, cursor: str | None,
-             as_json: bool) -> None:
-    """List dead letters, newest first, one page at a time (no full scan)."""
+             as_json: bool, wide: bool) -> None:
+    """List dead letters, newest first, one page at a time (no full scan).
+
+    The table keeps the task id and the tool whole at any width; the other
+    columns are left out, least important first, when they do not fit
+    (--wide prints them all).
+    """
     try:
         before = Cursor.decode(cursor) if cursor else None
     except ValueError as exc:
@@ -98,8 +111,9 @@ def dlq_list(ctx: click.Context, queue: str | None, dead_letter_reason: str | No
           letter["name"] or "-", letter["effect"], letter["reason"], letter["failure_class"],
           str(letter["attempts"]), _exception(letter)]
          for letter in letters],
-        shrink=["EXCEPTION", "TOOL", "QUEUE", "REASON", "EFFECT", "CLASS"],
-        optional=["EXCEPTION", "TRY", "CLASS", "QUEUE", "STORED (UTC)", "REASON"],
+        shrink=["EXCEPTION", "QUEUE"],
+        optional=["EXCEPTION", "TRY", "CLASS", "QUEUE", "STORED (UTC)", "REASON", "EFFECT"],
+        wide=wide, hint=True,
     ))
     shown = f"{len(letters)} shown"
     if found["total"] is not None:
@@ -121,7 +135,9 @@ def _exception(letter: Mapping[str, Any]) -> str:
 
 @dlq.command("show", needs=NEEDS_DEAD_LETTERS)
 @click.argument("task_id")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"dead_letter", "journal", "replay_in_progress", "replay", '
+                   f'"reconcile"}} ({JSON_DOCS}).')
 @click.pass_context
 def dlq_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Show one dead letter in full: envelope, journal, and whether it may be replayed."""
@@ -198,7 +214,9 @@ def _journal_line(journal: Mapping[str, str] | None) -> str:
               help="Replay one NON_IDEMPOTENT_WRITE, or a write whose body completed "
                    "(needs --reason).")
 @click.option("--reason", "why", default="", help="Why: written in the audit event.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"results": [...], "done", "refused", "not_found", "failed"} '
+                   f"({JSON_DOCS}).")
 @click.pass_context
 def dlq_replay(ctx: click.Context, task_ids: tuple[str, ...], replay_all: bool,
                queue: str | None, dead_letter_reason: str | None, failure_class: str | None,
@@ -231,7 +249,9 @@ def dlq_replay(ctx: click.Context, task_ids: tuple[str, ...], replay_all: bool,
 @_filters
 @click.option("--reason", "why", default="", help="Why: written in the audit event.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"results": [...], "done", "refused", "not_found", "failed"} '
+                   f"({JSON_DOCS}).")
 @click.pass_context
 def dlq_purge(ctx: click.Context, task_ids: tuple[str, ...], purge_all: bool,
               older_than: float | None, queue: str | None, dead_letter_reason: str | None,
@@ -275,7 +295,9 @@ def dlq_purge(ctx: click.Context, task_ids: tuple[str, ...], purge_all: bool,
               help="Every dead letter matching the filters (those that cannot be "
                    "reconciled are refused).")
 @_filters
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the documentation).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"results": [...], "done", "refused", "not_found", "failed"} '
+                   f"({JSON_DOCS}).")
 @click.pass_context
 def dlq_reconcile(ctx: click.Context, task_ids: tuple[str, ...], reconcile_all: bool,
                   queue: str | None, dead_letter_reason: str | None,
@@ -315,9 +337,12 @@ def _confirm(question: str, yes: bool) -> None:
 
 
 @dlq.command("stats", needs=NEEDS_DEAD_LETTERS)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the README).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"total", "by_queue", "by_reason", "by_failure_class", '
+                   f'"by_effect", "replay_pending", "by_combination"}} ({JSON_DOCS}).')
+@wide_option
 @click.pass_context
-def dlq_stats(ctx: click.Context, as_json: bool) -> None:
+def dlq_stats(ctx: click.Context, as_json: bool, wide: bool) -> None:
     """Count dead letters by queue, reason, failure class and effect (from index sizes),
     and of each combination of the four (``queue/reason/failure class/effect``)."""
     stats = operations_of(ctx).stats()
@@ -336,5 +361,6 @@ def dlq_stats(ctx: click.Context, as_json: bool) -> None:
                      str(row.count)])
     if stats.replay_pending:
         rows.append(["replay pending", "", str(stats.replay_pending)])
-    click.echo(render(["BY", "VALUE", "COUNT"], rows, shrink=["VALUE"]))
+    # A value (a queue, a combination) is never cut.
+    click.echo(render(["BY", "VALUE", "COUNT"], rows, whole=["VALUE"], wide=wide))
 

@@ -8,7 +8,16 @@ import click
 
 from ..runs import PAGE_SIZE, Runs
 from ..table import render
-from .base import EXIT_REFUSED, NEEDS_STORE, ToolEffectGroup, app_of, echo_json, fail, when
+from .base import (
+    EXIT_REFUSED,
+    NEEDS_STORE,
+    ToolEffectGroup,
+    app_of,
+    echo_json,
+    fail,
+    when,
+    wide_option,
+)
 
 
 @click.group(cls=ToolEffectGroup)
@@ -22,10 +31,12 @@ def runs() -> None:
 @click.option("--limit", type=click.IntRange(1, 5000), default=PAGE_SIZE, show_default=True,
               help="Calls per page.")
 @click.option("--json", "as_json", is_flag=True,
-              help='Print JSON: {"run_id", "calls": [...], "next_cursor", "events_read"}.')
+              help='Print JSON: {"run_id", "calls": [...], "next_cursor", "events_read"} '
+                   "(see docs/operations.md#a-runs-calls).")
+@wide_option
 @click.pass_context
 def runs_show(ctx: click.Context, run_id: str, cursor: str | None, limit: int,
-              as_json: bool) -> None:
+              as_json: bool, wide: bool) -> None:
     """Show the calls of one run in the order they started: effect, state,
     attempts, how long their bodies ran, how they ended."""
     page = Runs(app_of(ctx)).page(run_id, cursor=cursor, limit=limit)
@@ -44,6 +55,7 @@ def runs_show(ctx: click.Context, run_id: str, cursor: str | None, limit: int,
     ]
     click.echo(render(["STARTED (UTC)", "TASK ID", "TOOL", "EFFECT", "STATE", "TRY", "RAN MS",
                        "OUTCOME"], rows, shrink=["TOOL", "OUTCOME"],
-                      optional=["OUTCOME", "RAN MS", "TRY", "EFFECT", "STARTED (UTC)"]))
+                      optional=["OUTCOME", "RAN MS", "TRY", "EFFECT", "STARTED (UTC)"],
+                      wide=wide, hint=True))
     if page.next_cursor:
         click.echo(f"\nmore: runs show {run_id} --cursor {page.next_cursor}")

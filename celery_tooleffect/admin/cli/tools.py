@@ -12,17 +12,24 @@ import click
 
 from ...store.declarations import EffectDeclarations, by_tool
 from ..table import render, terminal_width
-from .base import EXIT_REFUSED, NEEDS_STORE, StoreCommand, echo_json, runtime_of
+from .base import EXIT_REFUSED, NEEDS_STORE, StoreCommand, echo_json, runtime_of, wide_option
 
 
 @click.command("tools", cls=StoreCommand, needs=NEEDS_STORE)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the documentation).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"tools": [...], "workers": [...], "conflicts": [...]} '
+                   "(stable, see docs/operations.md#json-output).")
+@wide_option
 @click.pass_context
-def tools_command(ctx: click.Context, as_json: bool) -> None:
+def tools_command(ctx: click.Context, as_json: bool, wide: bool) -> None:
     """List the tools live workers declare: each effect, and the workers (and
     releases) declaring it. Exit code 1 when live workers disagree about a
     tool's effect (a rolling upgrade that changes it: each call is then handled
-    under the strictest effect its journal recorded)."""
+    under the strictest effect its journal recorded).
+
+    The table keeps the tool's name whole at any width; the other columns are
+    left out, least important first, when they do not fit (--wide prints
+    them all)."""
     workers = EffectDeclarations(runtime_of(ctx).settings).live()
     tools = by_tool(workers)
     conflicts = [tool for tool in tools if tool.conflict]
@@ -54,7 +61,8 @@ def tools_command(ctx: click.Context, as_json: bool) -> None:
                              ", ".join(d.worker for d in declarers),
                              "CONFLICT" if tool.conflict else ""])
         click.echo(render(["TOOL", "EFFECT", "RELEASE", "WORKERS", "DECLARED BY", "NOTE"], rows,
-                          shrink=["DECLARED BY", "TOOL"], optional=["DECLARED BY"]))
+                          shrink=["DECLARED BY", "RELEASE"],
+                          optional=["DECLARED BY", "WORKERS", "RELEASE"], wide=wide, hint=True))
         width = terminal_width()
         for tool in conflicts:
             said = "; ".join(
