@@ -31,7 +31,7 @@ from click.testing import CliRunner, Result
 
 from celery_tooleffect import AuditEvent, AuditLog, DeadLetter, DeadLetters, ToolEffect, ToolTask
 from celery_tooleffect.admin.cli import tooleffect
-from celery_tooleffect.admin.cli.base import parse_duration
+from celery_tooleffect.admin.filters import parse_duration
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
 from celery_tooleffect.store.declarations import EffectDeclarations
 from celery_tooleffect.store.envelope import MessageEnvelope

@@ -8,6 +8,8 @@ and :func:`approval_state` raise ``ValueError``, naming the choices).
 
 from __future__ import annotations
 
+import re
+
 from ..effect import ToolEffect
 from ..failures import FailureClass
 from ..states import ApprovalState, DeadLetterReason
@@ -44,3 +46,17 @@ def approval_state(value: str | None) -> ApprovalState | None:
     """The approval state a listing is filtered by (empty or None: any); a value that
     is not an approval state is a ``ValueError``."""
     return ApprovalState.coerce(value) if value else None
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(value: str) -> float:
+    """An age filter (``dlq purge --all --older-than``, a bulk purge's
+    ``older_than``): ``90``, ``90s``, ``15m``, ``2h``, ``7d`` or ``1w`` as
+    seconds; ``ValueError`` naming the forms otherwise."""
+    match = _DURATION.match(value)
+    if not match:
+        raise ValueError(f"not a duration: {value!r} (use e.g. 90s, 15m, 2h, 7d, 1w)")
+    return float(match.group(1)) * _UNITS[match.group(2)]

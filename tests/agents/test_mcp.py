@@ -339,3 +339,34 @@ def test_a_broker_and_store_that_do_not_answer_are_a_connection_error_naming_the
     assert "call again with the same call id" in text(keyed)
     assert "calling again is a new call" in text(unkeyed)
     assert agents.runs("x") == 0
+
+
+def test_a_client_of_the_newer_protocol_reads_and_writes_once_by_its_key(
+        agents: Agents) -> None:
+    """``mcp.Client`` negotiates the 2026-07-28 protocol (no session): the run
+    is the ``runId`` the client sends; the same key and run is the same call."""
+    from mcp import Client, StdioServerParameters
+
+    agents.worker()
+    command = agents.command("mcp")
+    server = StdioServerParameters(command=command[0], args=command[1:],
+                                   env={**os.environ, **agents.env}, cwd=str(ROOT))
+    meta = {"idempotencyKey": "newer-1", "runId": "run-newer"}
+
+    async def scenario() -> tuple[str, list[types.CallToolResult]]:
+        async with Client(server) as client:
+            answers = [await client.call_tool("shop.search", {"query": "hub"})]
+            for _ in range(2):
+                answers.append(await client.call_tool(
+                    "shop.send_invoice", {"key": "newer", "cents": 7}, meta=meta))
+            return str(client.protocol_version), answers
+
+    version, (read, first, again) = anyio.run(scenario)
+    assert version == "2026-07-28"
+    assert read.structured_content is not None
+    assert read.structured_content["result"] == ["hub-0", "hub-1", "hub-2"]
+    for answer in (first, again):
+        assert not answer.is_error and text(answer) == "INV-newer-1"
+        assert answer.structured_content is not None
+        assert answer.structured_content["task_id"] == call_task_id("newer-1", "run-newer")
+    assert agents.runs("newer") == 1

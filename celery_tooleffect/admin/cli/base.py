@@ -5,7 +5,6 @@ UTC times, one line on stderr, an action's results)."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 from collections.abc import Iterable
 from datetime import datetime, timezone
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from ...store.runtime import ToolRuntime, runtime_for
+from ..filters import parse_duration
 from ..operations import (
     BOTH_STORES,
     DEAD_LETTER_STORE,
@@ -36,18 +36,6 @@ EXIT_REFUSED = 1
 NEEDS_STORE = (STORE,)
 NEEDS_DEAD_LETTERS = (DEAD_LETTER_STORE,)
 NEEDS_BOTH = BOTH_STORES
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration(value: str) -> float:
-    """``90``, ``90s``, ``15m``, ``2h``, ``7d`` or ``1w`` as seconds."""
-    match = _DURATION.match(value)
-    if not match:
-        raise ValueError(f"not a duration: {value!r} (use e.g. 90s, 15m, 2h, 7d, 1w)")
-    return float(match.group(1)) * _UNITS[match.group(2)]
-
 
 class Duration(click.ParamType):  # type: ignore[type-arg]
     """A click parameter: a duration such as ``15m`` or ``7d``, in seconds."""

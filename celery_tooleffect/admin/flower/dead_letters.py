@@ -24,8 +24,13 @@ from tornado import web
 from tornado.web import url
 
 from ...store.dead_letters import Cursor, DeadLetterQuery
-from ..cli.base import parse_duration
-from ..filters import DEAD_LETTER_REASONS, EFFECTS, FAILURE_CLASSES, dead_letter_query
+from ..filters import (
+    DEAD_LETTER_REASONS,
+    EFFECTS,
+    FAILURE_CLASSES,
+    dead_letter_query,
+    parse_duration,
+)
 from ..operations import BOTH_STORES, ActionResult, DeadLetterOperations, Outcome
 from .handlers import HTTP_STATUS, ToolEffectHandler, flag, limit_of, pretty
 
