@@ -324,16 +324,21 @@ class ApprovalStore:
             if not task_ids:
                 return []
             # Three round trips in all, however many are listed: the index,
-            # the run ids, then every record in one pipeline.
-            located = [(task_id, text(run_id)) for task_id, run_id in zip(
-                task_ids, client.hmget(self.keys.approvals_where, task_ids), strict=True)
-                if run_id is not None]
-            with client.pipeline(transaction=False) as pipe:
-                for task_id, run_id in located:
-                    pipe.hgetall(self.keys.approval(run_id, task_id))
-                records = pipe.execute()
+            # then the records (_records).
+            return self._records(client, task_ids)
         except redis.RedisError as exc:
             raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
+
+    def _records(self, client: redis.Redis, task_ids: list[str]) -> list[Approval]:
+        """The records of ``task_ids`` in that order, those still stored: two
+        round trips (their run ids, then every record in one pipeline)."""
+        located = [(task_id, text(run_id)) for task_id, run_id in zip(
+            task_ids, client.hmget(self.keys.approvals_where, task_ids), strict=True)
+            if run_id is not None]
+        with client.pipeline(transaction=False) as pipe:
+            for task_id, run_id in located:
+                pipe.hgetall(self.keys.approval(run_id, task_id))
+            records = pipe.execute()
         return [Approval.from_record({text(k): text(v) for k, v in record.items()})
                 for record in records if record]
 
@@ -367,17 +372,9 @@ class ApprovalStore:
             task_ids = [text(member) for member in members]
             if not task_ids:
                 return DecidedPage([], int(total))
-            located = [(task_id, text(run_id)) for task_id, run_id in zip(
-                task_ids, client.hmget(self.keys.approvals_where, task_ids), strict=True)
-                if run_id is not None]
-            with client.pipeline(transaction=False) as pipe:
-                for task_id, run_id in located:
-                    pipe.hgetall(self.keys.approval(run_id, task_id))
-                records = pipe.execute()
+            found = self._records(client, task_ids)
         except redis.RedisError as exc:
             raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
-        found = [Approval.from_record({text(k): text(v) for k, v in record.items()})
-                 for record in records if record]
         return DecidedPage(
             [approval for approval in found
              if approval.state is wanted
