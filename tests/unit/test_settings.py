@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import math
+import re
+import urllib.parse
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +30,9 @@ from celery_tooleffect.settings import (
 )
 from tests.conftest import PACKAGE_DEFAULT_STORE_URL, REFUSED_DEFAULT_STORE
 from tests.unit.conftest import NOWHERE, app_with
+
+#: The settings table: the package's documented defaults.
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 PROPERTIES = settings(max_examples=200, deadline=None, database=None)
 
@@ -88,21 +94,28 @@ def test_on_rabbitmq_a_named_store_keeps_the_dead_letters_too() -> None:
     assert resolved.dead_letter_store == resolved.store
 
 
-def test_on_rabbitmq_without_a_store_the_package_takes_127_0_0_1_6379(
+def test_on_rabbitmq_without_a_store_the_package_takes_its_documented_default(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The package's documented default, asserted with the suite's guard
-    lifted: tests/conftest.py refuses it in every process of the suite."""
-    assert PACKAGE_DEFAULT_STORE_URL == "redis://127.0.0.1:6379/0"
+    """The package's default store is the one docs/configuration.md documents,
+    asserted with the suite's guard lifted (tests/conftest.py refuses it in
+    every process of the suite); nothing connects to it."""
+    row = next(line for line in CONFIGURATION.read_text().splitlines()
+               if line.startswith("| `tooleffect_redis_url` |"))
+    documented = re.search(r"else `([^`]+)`", row)
+    assert documented is not None, row
+    assert documented.group(1) == PACKAGE_DEFAULT_STORE_URL
     monkeypatch.setattr(package_settings, "DEFAULT_STORE_URL", PACKAGE_DEFAULT_STORE_URL)
     resolved = settings_for(app_with(broker_url="amqp://g@h/v"))
-    assert resolved.redis_url == resolved.dead_letter_url == "redis://127.0.0.1:6379/0"
-    assert resolved.store_endpoint.identity() == ("127.0.0.1", 6379, 0, "default", "")
+    assert resolved.redis_url == resolved.dead_letter_url == PACKAGE_DEFAULT_STORE_URL
+    parts = urllib.parse.urlsplit(PACKAGE_DEFAULT_STORE_URL)
+    assert resolved.store_endpoint.identity() == (parts.hostname, parts.port,
+                                                  int(parts.path.strip("/")), "default", "")
 
 
 def test_the_suite_refuses_the_default_store_in_its_own_processes() -> None:
     """The guard of tests/conftest.py: an app of the suite on RabbitMQ that
     names no store is refused, naming the setting, instead of writing to
-    whatever Redis answers on 127.0.0.1:6379."""
+    whatever Redis answers at the package's default store."""
     assert package_settings.DEFAULT_STORE_URL == REFUSED_DEFAULT_STORE
     with pytest.raises(ConfigurationError) as refused:
         settings_for(app_with(broker_url="amqp://g@h/v"))
