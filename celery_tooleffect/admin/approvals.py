@@ -16,7 +16,7 @@ import builtins
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..states import ApprovalState
@@ -83,8 +83,11 @@ class ShownArguments:
     #: Why nothing is shown (a body the accepted serializers cannot decode,
     #: an ``approval_view`` that raised, a tool this app does not know).
     problem: str = ""
-    #: SHA-256 of what is shown (canonical JSON): audited with the decision.
-    digest: str = field(default="")
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of what is shown (canonical JSON): audited with the decision."""
+        return hashlib.sha256(_canonical(self._shown()).encode("utf-8")).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: ``approvals show --json``'s ``shown`` and the API's."""
@@ -111,17 +114,13 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
-def _with_digest(shown: ShownArguments) -> ShownArguments:
-    digest = hashlib.sha256(_canonical(shown._shown()).encode("utf-8")).hexdigest()
-    return ShownArguments(shown.args, shown.kwargs, shown.view, shown.problem, digest)
-
-
 class Approvals:
     """Calls parked for approval in ``app``'s store: list, show, approve, reject."""
 
     def __init__(self, app: Celery) -> None:
         self.app = app
         self.runtime = runtime_for(app)
+        self._imported = False
 
     # -- reading ---------------------------------------------------------------
 
@@ -164,36 +163,43 @@ class Approvals:
         """The call's record, pending or decided; None when it never waited."""
         return self.runtime.approvals.get(task_id)
 
+    def _tasks(self) -> Any:
+        """The app's task registry, its modules imported once (``include``,
+        autodiscovery): a tool's ``approval_view`` lives there."""
+        if not self._imported:
+            self.app.loader.import_default_modules()
+            self._imported = True
+        return self.app.tasks
+
     def arguments(self, approval: Approval) -> ShownArguments:
         """What a person deciding ``approval`` is shown of its arguments
         (:class:`ShownArguments`); never raises for what the message or the
         tool's ``approval_view`` does."""
         if approval.message is None:
-            return _with_digest(ShownArguments(problem="no message kept"))
+            return ShownArguments(problem="no message kept")
         try:
             args, kwargs, _ = approval.message.task_payload(self.app.conf.accept_content)
         except Exception as exc:
-            return _with_digest(ShownArguments(
+            return ShownArguments(
                 problem=f"the arguments cannot be decoded with this app's accept_content "
-                        f"({type(exc).__name__}: {exc}); nothing of them is shown"))
-        self.app.loader.import_default_modules()
-        task = self.app.tasks.get(approval.name)
+                        f"({type(exc).__name__}: {exc}); nothing of them is shown")
+        task = self._tasks().get(approval.name)
         view = getattr(type(task), "approval_view", None) if task is not None else None
         if task is None:
-            return _with_digest(ShownArguments(
+            return ShownArguments(
                 problem=f"{approval.name} is no task of this app, so its approval_view (if "
-                        "it has one) cannot be applied: the arguments are hidden"))
+                        "it has one) cannot be applied: the arguments are hidden")
         if view is None:
-            return _with_digest(ShownArguments(args=json_safe(args), kwargs=json_safe(kwargs)))
+            return ShownArguments(args=json_safe(args), kwargs=json_safe(kwargs))
         try:
             shown = view(task, *args, **kwargs)
             if not isinstance(shown, Mapping):
                 raise TypeError(f"it returned {type(shown).__name__}, not a mapping")
         except Exception as exc:
-            return _with_digest(ShownArguments(
+            return ShownArguments(
                 problem=f"the tool's approval_view raised {type(exc).__name__}: {exc}; the "
-                        "arguments are hidden"))
-        return _with_digest(ShownArguments(view=json_safe(dict(shown))))
+                        "arguments are hidden")
+        return ShownArguments(view=json_safe(dict(shown)))
 
     def stats(self) -> dict[str, Any]:
         """Pending calls by queue and tool: ``{"pending": n, "by_queue": {...},

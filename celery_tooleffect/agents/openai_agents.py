@@ -20,6 +20,7 @@ ask, the second whether the write may run.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,8 +57,6 @@ def openai_agents_status_tool(caller: ToolCaller) -> FunctionTool:
     """The status tool: how an earlier call stands, by its task id."""
 
     async def invoke(ctx: ToolContext[Any], arguments: str) -> str:
-        import json
-
         task_id = str(json.loads(arguments or "{}").get("task_id") or "")
         report: CallReport = await caller.status(task_id, run_id=run_id_of(ctx) or "")
         return json.dumps(report.to_dict())

@@ -138,8 +138,8 @@ class _ApprovalPages(_ApprovalHandler, BaseHandler):  # type: ignore[misc]
         queue, tool, state = wanted["queue"], wanted["tool"], wanted["state"]
         stats = await self.blocking(self.approvals.stats)
         page: ApprovalListing = await self.blocking(self.approvals.listing, **wanted)
-        shown = {approval.task_id: await self.blocking(self.approvals.arguments, approval)
-                 for approval in page.approvals}
+        shown = await self.blocking(lambda: {approval.task_id: self.approvals.arguments(approval)
+                                             for approval in page.approvals})
         self.render(
             "tooleffect_approvals.html",
             approvals=page.approvals,
