@@ -46,6 +46,9 @@ DEFAULTS: dict[str, Any] = {
     # Seconds a decided approval stays listed (approvals list --state ...).
     "tooleffect_approval_retention": 7 * 24 * 3600.0,
     "tooleffect_allow_eviction": False,
+    # Start on a store that can lose acknowledged writes when its process
+    # restarts (no AOF, no replicas waited for): docs/redis.md#durability.
+    "tooleffect_allow_volatile_store": False,
     # None: 1 when the store is behind Sentinel (it fails over), else 0.
     "tooleffect_store_replicas": None,
     "tooleffect_store_fsync": False,
@@ -105,6 +108,9 @@ class Settings:
     broker_redis: RedisEndpoint | None = None
     #: Start even on a store whose ``maxmemory-policy`` can evict the package's keys.
     allow_eviction: bool = False
+    #: Start even on a store (or dead-letter store) that can lose what it
+    #: acknowledged when its process restarts (``tooleffect_allow_volatile_store``).
+    allow_volatile_store: bool = False
     #: Replicas that must hold a write's intent before its body runs (``WAIT``),
     #: and whether it must be fsynced to the store's AOF too (``WAITAOF``).
     store_replicas: int = 0
@@ -261,6 +267,7 @@ def _read(app: Celery) -> Settings:
         dead_letter_store=broker_redis or store,
         broker_redis=broker_redis,
         allow_eviction=bool(get("tooleffect_allow_eviction")),
+        allow_volatile_store=_flag(conf, "tooleffect_allow_volatile_store"),
         store_replicas=replicas,
         store_fsync=fsync,
         store_wait_timeout=wait_timeout,
@@ -285,6 +292,17 @@ def _seconds(get: Any, key: str) -> float:
     if isinstance(value, bool) or not 0 <= seconds < float("inf"):
         raise ConfigurationError(f"{key} must be a number of seconds, 0 or more, not {value!r}")
     return seconds
+
+
+def _flag(conf: Mapping[str, Any], key: str) -> bool:
+    """Setting ``key``: True or False (its default when unset); anything else
+    is refused, so that a string such as ``"no"`` never reads as true."""
+    value = conf.get(key)
+    if value is None:
+        return bool(DEFAULTS[key])
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{key} must be True or False, not {value!r}")
+    return value
 
 
 def atomic_fetch_enabled(conf: Mapping[str, Any]) -> bool:

@@ -92,6 +92,9 @@ class DeadLetterReason(Choice):
     RETRIES_EXHAUSTED = "retries_exhausted"
     #: A NON_IDEMPOTENT_WRITE started and never finished: never run twice.
     INTERRUPTED_WRITE = "interrupted_write"
+    #: A NON_IDEMPOTENT_WRITE the store has no entry of, published before a
+    #: detected rollback of the store: it may have run before (docs/redis.md#rollbacks).
+    STORE_ROLLED_BACK = "store_rolled_back"
     #: ``revoke(terminate=True)`` stopped the write while its body ran.
     REVOKED = "revoked"
     #: The worker that took it knows no task of its name (or it has no name).

@@ -52,7 +52,7 @@ from .worker.retries import (
     refuse_autoretry,
     refuse_unbounded_retries,
 )
-from .worker.signals import connect_signals
+from .worker.signals import connect_signals, stamp_sent_at
 from .worker.startup import install_startup_checks
 
 logger = logging.getLogger(__name__)
@@ -160,6 +160,8 @@ class ToolTask(Task):  # type: ignore[misc]
         if "get_effect" not in _overridden(cls):
             refuse_autoretry(cls, declared)
         refuse_unbounded_retries(cls)
+        if declared.is_write or "get_effect" in _overridden(cls):
+            stamp_sent_at(cls.name)
         connect_signals()
         install_consumer_step(app)
         install_atomic_fetch(app)

@@ -393,6 +393,9 @@ def configure_for_test(app: Any, redis_url: str, prefix: str,
         # A retry waits for its countdown on the worker: it must end well
         # before the visibility timeout restores the message (a start-up check).
         tooleffect_backoff_cap=visibility_timeout / 4,
+        # A test's Redis is a throwaway (often started without persistence):
+        # its worker starts on it, and says so in one warning.
+        tooleffect_allow_volatile_store=True,
     )
     return app
 

@@ -119,6 +119,10 @@ def app_config(prefix: str, **overrides: Any) -> dict[str, Any]:
         "tooleffect_max_retries": 2,
         "tooleffect_socket_timeout": 2.0,
         "tooleffect_atomic_fetch": TEST_FETCH != "kombu",
+        # The suite's Redis keeps nothing on disk (a test server, started by
+        # the machine or by .ci/run); tests/faults/test_durability.py checks
+        # the refusal this turns into a warning.
+        "tooleffect_allow_volatile_store": True,
     }
     conf.update(overrides)
     return conf

@@ -29,6 +29,7 @@ from .durability import Durability
 from .keys import Keys
 from .leases import BrokerAck, BrokerLease
 from .lua import script
+from .rollback import INTENTS
 from .states import Ending, Verdict, allowed_argument
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ class Begin:
     #: tool's body), encoded, and its content type ('' when none was kept).
     kept_result: bytes = b""
     kept_content_type: str = ""
+    #: This call found the store rolled back (:mod:`.rollback`): it holds less
+    #: than it acknowledged to this process.
+    rolled_back: bool = False
 
     @property
     def owner_lease_end(self) -> float:
@@ -124,6 +128,7 @@ class Journal:
         resume_interrupted: bool = False,
         broker_lease: BrokerLease | None = None,
         broker_lease_end: float = 0.0,
+        sent_at: float | None = None,
     ) -> Begin:
         """Record the intent of an attempt, or say why this delivery must not run.
 
@@ -143,12 +148,21 @@ class Journal:
         until ``broker_lease_end`` in the same script, before the intent; the
         verdict is LEASE_BUSY or LEASE_LOST, with nothing recorded, when it
         cannot be.
+
+        The same script watches the store for a rollback (:mod:`.rollback`;
+        not on a cluster): ``Begin.rolled_back`` says this call found one, and
+        a NON_IDEMPOTENT_WRITE with no entry published (``sent_at``, unix
+        seconds; None: unknown) before the last one found is INTERRUPTED,
+        detail ``store_rolled_back``.
         """
         keys = self._keys(ref)
         lease_args: list[str | int] = ["", ""]
         if broker_lease is not None:
             keys += [broker_lease.mutex_key, broker_lease.index_key]
             lease_args = [broker_lease.tag, f"{broker_lease.score_for(broker_lease_end):.6f}"]
+        writer = "" if self.settings.redis_cluster else self.keys.writer(INTENTS.name)
+        if writer:
+            keys += [writer, self.keys.rollback]
         args: list[str | int] = [
             token,
             f"{time.time():.6f}",
@@ -161,6 +175,8 @@ class Journal:
             *lease_args,
             tool,
             call_digest,
+            INTENTS.seen(writer) if writer else "",
+            "" if sent_at is None else f"{sent_at:.6f}",
             *flatten(event),
         ]
         begin = script("begin_attempt")
@@ -181,13 +197,24 @@ class Journal:
             raise StoreUnavailable(f"journal unavailable: {exc}") from exc
         answer = replies[0]
         verdict = Verdict(text(answer[0]))
-        attempt, detail, handled_as = answer[1], answer[2], answer[3]
+        attempt, detail, handled_as, count, rolled_back = answer[1:6]
+        if count:
+            INTENTS.acknowledged(writer, int(count))
+        if rolled_back == b"1":
+            logger.warning(
+                "celery-tooleffect: the store (%s) holds fewer intents than it acknowledged to "
+                "this process: it was rolled back (restarted from an older file, or failed "
+                "over to a replica that missed writes). Non-idempotent writes published "
+                "before now that find no journal entry are reconciled or dead-lettered "
+                "store_rolled_back, never run blind; see docs/redis.md#rollbacks",
+                self.settings.store_endpoint.describe())
         if self.durability is not None and verdict is Verdict.STARTED:
             short = self.durability.shortfall(replies[1])
             if short is not None:
                 raise IntentNotDurable(f"intent not durable: {short}", int(attempt))
-        result = Begin(verdict, int(attempt), text(detail), effect=text(handled_as))
-        extra = answer[4:]
+        result = Begin(verdict, int(attempt), text(detail), effect=text(handled_as),
+                       rolled_back=rolled_back == b"1")
+        extra = answer[6:]
         if verdict is Verdict.STARTED:
             fence = int(extra[0])
             # Saves a round trip on the hot path: the copy rides with the outcome.

@@ -54,6 +54,16 @@ class Keys:
         """The stream all events are copied to, best effort, for tailing."""
         return f"{self.prefix}events"
 
+    def writer(self, process: str) -> str:
+        """The count of intents one worker process had acknowledged, as the
+        store last kept it (:mod:`celery_tooleffect.store.rollback`)."""
+        return f"{self.prefix}store:writer:{process}"
+
+    @property
+    def rollback(self) -> str:
+        """The hash that says when a rollback of the store was last detected."""
+        return f"{self.prefix}store:rollback"
+
     def dead_letters(self, queue: str) -> str:
         """The hash of dead-letter envelopes of ``queue``, by task id."""
         return f"{self.prefix}{{dlq:{hash_tag(queue)}}}:envelopes"

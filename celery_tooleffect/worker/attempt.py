@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from ..identity import joined
 from ..store.audit import StepContext, worker_identity
 from ..store.envelope import REPLAY_HEADER
 from ..store.journal import JournalRef
+from ..store.rollback import SENT_AT_HEADER
 
 #: The ``tooleffect_*`` message headers a producer may set: the run id, the
 #: agent's call id, and the mark a dead-letter replay leaves (informational: workers decide from the
@@ -33,7 +35,8 @@ CALL_ID_HEADER = "tooleffect_call_id"
 #: before, under another release's effect. It only makes a READ_ONLY worker
 #: ask the journal (one read), so a producer that sets it grants nothing.
 AGAIN_HEADER = "tooleffect_again"
-ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, CALL_ID_HEADER, REPLAY_HEADER, AGAIN_HEADER})
+ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, CALL_ID_HEADER, REPLAY_HEADER, AGAIN_HEADER,
+                             SENT_AT_HEADER})
 #: The option ``ToolTask.signature_from_request`` adds: a republish of a task
 #: from its own request (a retry, a deferral), which claims no id.
 REPUBLISH_OPTION = "_tooleffect_republish"
@@ -78,6 +81,17 @@ def resolve_run_id(fields: Mapping[str, Any], task_id: str) -> str:
     return str(fields.get("root_id") or task_id)
 
 
+def sent_at_of(fields: Mapping[str, Any]) -> float | None:
+    """When the message was published (its ``tooleffect_sent_at`` header), or
+    None when it does not say (a producer that did not stamp it)."""
+    nested = fields.get("headers")
+    for source in (fields, nested if isinstance(nested, Mapping) else {}):
+        value = source.get(SENT_AT_HEADER)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
 def queue_name(delivery_info: Mapping[str, Any] | None, default: str) -> str:
     """The queue a message came from (its routing key on the default exchange)."""
     info = delivery_info or {}
@@ -100,6 +114,9 @@ class Attempt:
     #: Whether this delivery may not be the call's first: redelivered by the
     #: broker, a retry, a deferral or a replay (:func:`delivered_again`).
     again: bool = False
+    #: When its message was published (None: the message does not say; an
+    #: interactive call is "now"): see :mod:`celery_tooleffect.store.rollback`.
+    sent_at: float | None = None
 
     @classmethod
     def of(
@@ -128,6 +145,7 @@ class Attempt:
             interactive=interactive,
             retries=retries,
             again=delivered_again(fields, delivery_info, retries),
+            sent_at=time.time() if interactive else sent_at_of(fields),
         )
 
     @property

@@ -484,6 +484,7 @@ class Execution:
                     event=intent,
                     broker_lease=with_intent,
                     broker_lease_end=deadline_end,
+                    sent_at=attempt.sent_at,
                 )
                 # kombu's restore sweep holds its mutex for a moment: wait it
                 # out, as Leases.extend_lease does (nothing was recorded).
@@ -558,11 +559,10 @@ class Execution:
         """
         attempt, runtime = self.attempt, self.runtime
         check = reconciler(self.tool)
-        interrupted = (f"{self.label} raised in an earlier call and may have written"
-                       if begin.detail == "failed" else f"{self.label} started and never finished")
+        reason, interrupted = interruption(self.label, begin.detail)
         if check is None:
             raise self._dead_letter(
-                DeadLetterReason.INTERRUPTED_WRITE,
+                reason,
                 InterruptedWrite(f"{interrupted}; a non-idempotent write is never run twice"),
                 FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
             )
@@ -586,7 +586,7 @@ class Execution:
                if answer is not None
                else f"its reconcile failed: {type(problem).__name__}: {problem}")
         raise self._dead_letter(
-            DeadLetterReason.INTERRUPTED_WRITE,
+            reason,
             InterruptedWrite(f"{interrupted}, and {why}; a non-idempotent write is "
                              "never run twice without knowing"),
             FailureClass.UNKNOWN, owned=False, attempts=begin.attempt,
@@ -953,6 +953,26 @@ def acknowledge_success(tool: Tool, request: Context) -> None:
     except redis.RedisError as exc:
         logger.warning("%s[%s] succeeded but its message was not acknowledged (%s); kombu "
                        "restores it after the visibility timeout", tool.name, request.id, exc)
+
+
+def interruption(label: str, detail: str) -> tuple[DeadLetterReason, str]:
+    """The dead-letter reason of an interrupted NON_IDEMPOTENT_WRITE, and what
+    is known of its earlier run, from the journal's ``detail``
+    (``begin_attempt.lua``: 'failed', 'store_rolled_back', 'lease_lapsed',
+    'interrupted'). Only an interactive call that raised is known to have run
+    its body; otherwise the intent was recorded and whether the body started
+    is not known."""
+    if detail == "failed":
+        return (DeadLetterReason.INTERRUPTED_WRITE,
+                f"{label} raised in an earlier call and may have written")
+    if detail == "store_rolled_back":
+        return (DeadLetterReason.STORE_ROLLED_BACK,
+                f"{label} was published before the store was found rolled back, and the "
+                "store has no record of it: an earlier run may have been lost with the "
+                "rollback; whether its body ran is not known")
+    return (DeadLetterReason.INTERRUPTED_WRITE,
+            f"{label} recorded its intent and never its outcome: whether its body "
+            "started is not known")
 
 
 def reconciler(tool: Any) -> Callable[..., Any] | None:

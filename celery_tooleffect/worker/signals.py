@@ -9,6 +9,12 @@ classifies it, logs the class, and audits failures that ``ToolTask`` itself
 never saw (raised by Celery around the task). It is connected once, when the
 first ``ToolTask`` is bound.
 
+Before a write tool's message is published (``before_task_publish``, in the
+producer's process: ``apply_async``, ``send_task`` and Celery's own retries),
+it stamps the time on it (``tooleffect_sent_at``): what tells a message
+published after a detected rollback of the store from one that may have run
+before it (:mod:`celery_tooleffect.store.rollback`).
+
 In the pool process it also hands a dead letter the tool decided to the
 worker's main process: Celery stores the failure on the result backend
 *before* this signal fires, and returns the ``ExceptionInfo`` it is given
@@ -19,12 +25,14 @@ the backend (see :mod:`celery_tooleffect.worker.handoff`).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
-from celery.signals import task_failure
+from celery.signals import before_task_publish, task_failure
 
 from ..errors import DeadLettered
 from ..store.audit import StepContext, worker_identity
+from ..store.rollback import SENT_AT_HEADER
 from ..store.runtime import runtime_for
 from .attempt import queue_name, resolve_run_id
 from .handoff import send_letter
@@ -35,11 +43,31 @@ logger = logging.getLogger(__name__)
 AUDITED_MARK = "_tooleffect_audited"
 
 
+#: The names of the write tools bound in this process: their messages are stamped.
+_STAMPED: set[str] = set()
+
+
 def connect_signals() -> None:
     """Connect the package's handlers (idempotent)."""
     task_failure.connect(
         classify_reported_failure, weak=False, dispatch_uid="celery_tooleffect.task_failure"
     )
+    before_task_publish.connect(
+        stamp_publish_time, weak=False, dispatch_uid="celery_tooleffect.before_task_publish"
+    )
+
+
+def stamp_sent_at(name: str) -> None:
+    """Stamp the messages of tool ``name`` with the time they are published."""
+    _STAMPED.add(name)
+
+
+def stamp_publish_time(sender: Any = None, headers: dict[str, Any] | None = None,
+                       **_: Any) -> None:
+    """``before_task_publish``: the publish time on a write tool's message (a
+    republish of the message, as a retry, stamps it anew)."""
+    if headers is not None and sender in _STAMPED:
+        headers[SENT_AT_HEADER] = round(time.time(), 6)
 
 
 def classify_reported_failure(

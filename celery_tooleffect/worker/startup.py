@@ -23,8 +23,11 @@ error; one that only weakens it is warned about loudly:
   warned about;
 - a prefetch multiplier above 1 is reported (1 is recommended for tool queues:
   prefetched messages wait with their visibility timeout already running);
-- a store (or a broker holding dead letters) that persists nothing is warned
-  about: a journal that vanishes on restart cannot prevent a second execution;
+- a store (or a broker holding dead letters) that can lose acknowledged writes
+  when its process restarts (no AOF) is refused unless replicas are waited
+  for (``tooleffect_allow_volatile_store`` makes it a warning), and AOF that a
+  machine crash can cut short is warned about
+  (:func:`~celery_tooleffect.worker.replication.persistence_check`);
 - a store (or dead-letter store) whose ``maxmemory-policy`` can evict the
   package's keys while ``maxmemory`` is set is refused
   (``tooleffect_allow_eviction`` makes it a warning); see
@@ -59,12 +62,11 @@ from celery import bootsteps
 from ..effect import ToolEffect
 from ..errors import ConfigurationError, StoreUnavailable
 from ..settings import Settings, settings_for
-from ..store.connections import client_for
 from ..store.declarations import EffectDeclarations, WorkerDeclaration, disagreements
 from ..store.runtime import runtime_for
 from .eviction import EvictionWatch, eviction_check
 from .heartbeat import heartbeat_interval
-from .replication import durability_check
+from .replication import ReplicaWatch, durability_check, persistence_check
 from .retries import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -119,33 +121,6 @@ def autoretry_errors(app: Any, settings: Settings) -> list[str]:
     return errors
 
 
-def persistence_warnings(settings: Settings) -> list[str]:
-    """Redis servers the guarantees rely on that keep nothing on disk."""
-    consequence = "the journal is gone and an interrupted write could run again"
-    stores = {settings.store_endpoint: ("the journal and audit store", consequence)}
-    stores.setdefault(settings.dead_letter_endpoint, (
-        "the dead-letter store",
-        "dead letters are gone and their tasks cannot be replayed or inspected",
-    ))
-    warnings = []
-    for store, (role, lost) in stores.items():
-        try:
-            client = client_for(store, settings.socket_timeout)
-            config = client.config_get("appendonly")
-            config.update(client.config_get("save"))
-        except Exception as exc:  # CONFIG may be renamed or denied: say so, go on
-            warnings.append(f"could not check whether {role} persists ({exc})")
-            continue
-        appendonly = str(config.get("appendonly", "")).lower() == "yes"
-        snapshots = bool(str(config.get("save", "")).strip())
-        if not (appendonly or snapshots):
-            warnings.append(
-                f"{role} ({store.describe()}) persists nothing (no AOF, no RDB snapshots): "
-                f"after a restart {lost}"
-            )
-    return warnings
-
-
 def run_checks(app: Any) -> None:
     """Raise ConfigurationError, or log warnings, for this app's configuration."""
     settings = settings_for(app)
@@ -155,9 +130,12 @@ def run_checks(app: Any) -> None:
     runtime = runtime_for(app)
     refusals, store_warnings = durability_check(runtime)
     evictions, eviction_warnings = eviction_check(runtime)
-    refusals += evictions
+    volatile, persistence_warnings = persistence_check(runtime)
+    refusals += evictions + volatile
     if refusals:
         raise ConfigurationError("celery-tooleffect: " + "; ".join(refusals))
+    for warning in persistence_warnings:
+        logger.warning("celery-tooleffect: %s; see docs/operations.md#persistence", warning)
     for warning in store_warnings:
         logger.warning("celery-tooleffect: %s; see docs/operations.md#replicas", warning)
     for warning in eviction_warnings:
@@ -190,8 +168,6 @@ def run_checks(app: Any) -> None:
                     "deferred, a read runs twice); see docs/operations.md#retry-delay",
                     name, delay, settings.visibility_timeout,
                 )
-    for warning in persistence_warnings(settings):
-        logger.warning("celery-tooleffect: %s; see docs/operations.md#persistence", warning)
 
 
 class StartupChecks(bootsteps.Step):  # type: ignore[misc]
@@ -328,8 +304,10 @@ class DeclaredEffects(bootsteps.StartStopStep):  # type: ignore[misc]
 
 def install_startup_checks(app: Any) -> None:
     """Add :class:`StartupChecks`, the eviction watch
-    (:class:`~celery_tooleffect.worker.eviction.EvictionWatch`) and
+    (:class:`~celery_tooleffect.worker.eviction.EvictionWatch`), the replica
+    watch (:class:`~celery_tooleffect.worker.replication.ReplicaWatch`) and
     :class:`DeclaredEffects` to the app's worker steps (idempotent)."""
     app.steps["worker"].add(StartupChecks)
     app.steps["worker"].add(EvictionWatch)
+    app.steps["worker"].add(ReplicaWatch)
     app.steps["worker"].add(DeclaredEffects)

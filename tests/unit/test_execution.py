@@ -613,7 +613,7 @@ def test_an_interrupted_write_without_reconcile_is_never_run_again() -> None:
     with pytest.raises(DeadLettered) as ended:
         run(tool)
     assert ended.value.dead_letter_reason == "interrupted_write"
-    assert "started and never finished" in letter_of(ended.value).error
+    assert "recorded its intent and never its outcome" in letter_of(ended.value).error
     assert letter_of(ended.value).attempts == 2
     assert tool.run.calls == []  # type: ignore[attr-defined]
     runtime.journal.verdicts = [verdict(Verdict.INTERRUPTED, detail="failed")]

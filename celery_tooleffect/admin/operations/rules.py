@@ -100,6 +100,7 @@ def _recorded_outcome(letter: DeadLetter, journal_state: str | None) -> str:
 #: Dead-letter reasons whose write may have happened: what reconcile is for.
 RECONCILABLE = frozenset({
     DeadLetterReason.INTERRUPTED_WRITE.value, DeadLetterReason.REVOKED.value,
+    DeadLetterReason.STORE_ROLLED_BACK.value,
 })
 
 

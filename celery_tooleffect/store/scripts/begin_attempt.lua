@@ -7,6 +7,9 @@
 --         unacked_mutex and unacked_index: the message's broker lease is
 --         secured with the intent, as extend_lease.lua does, and no intent is
 --         recorded when it cannot be
+-- KEYS[#KEYS - 1], KEYS[#KEYS] (when ARGV[13] is not ''; not on a cluster)
+--         the calling process's writer key and the store's rollback mark
+--         (store/rollback.py)
 -- ARGV[1] owner token        ARGV[2] now (unix seconds, float)
 -- ARGV[3] lease end          ARGV[4] effect
 -- ARGV[5] attempts allowed   ARGV[6] ttl seconds
@@ -16,7 +19,10 @@
 -- ARGV[9] with KEYS[4..5]: the message's delivery tag ('' without)
 -- ARGV[10] with KEYS[4..5]: its new unacked_index score ('' without)
 -- ARGV[11] the tool's name    ARGV[12] the digest of the call's arguments
--- ARGV[13..] event field/value pairs
+-- ARGV[13] the count of intents this store last acknowledged to the calling
+--          process ('' when not watched for rollbacks)
+-- ARGV[14] when the message was published ('' when it does not say)
+-- ARGV[15..] event field/value pairs
 --
 -- A call is bound to its tool and arguments: the first intent records both,
 -- and a delivery of the same task id under another tool, or with other
@@ -24,8 +30,16 @@
 -- records wins when it is stricter than ARGV[4] (a worker of an older
 -- release declaring less), and the stricter one is recorded.
 --
--- Returns {verdict, attempt, detail, effect, ...}, effect being the one the
--- delivery is handled under:
+-- A rollback of the store (store/rollback.py): the writer key holding less
+-- than ARGV[13] means the store lost an intent it acknowledged; the rollback
+-- mark then records when that was found. A non-idempotent write with no entry
+-- whose message was published before the mark's time may have run before the
+-- rollback: it is recorded interrupted ('store_rolled_back'), never started.
+--
+-- Returns {verdict, attempt, detail, effect, count, rolled_back, ...},
+-- effect being the one the delivery is handled under, count the calling
+-- process's writer count after this call ('' when not watched or unchanged),
+-- rolled_back '1' when this call found the store rolled back:
 --   started         the body may run (detail: 'new', 'reclaimed' or
 --                   'reconciled'), then also
 --                   the attempt's fencing token: the entry's 'fence' counter,
@@ -41,7 +55,8 @@
 --   owned           a live owner runs it (detail: its lease end)
 --   interrupted     a non-idempotent write started and never finished
 --                   (detail 'failed': an interactive one raised, not
---                   marked NoSideEffect)
+--                   marked NoSideEffect; 'store_rolled_back': its entry may
+--                   have been lost with a rollback of the store)
 --   not_run         it ended without running (revoked or expired): do not run
 --   exhausted       the attempt budget is spent (then also: how many earlier
 --                   attempts failed, were interrupted, asked for a retry)
@@ -55,10 +70,29 @@ local token, now, lease_end = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local effect, allowed, ttl, maxlen = ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
 local resume = ARGV[8] == '1'
 local tool, digest = ARGV[11], ARGV[12]
-local fields = slice(ARGV, 13, #ARGV)
+local watched, sent_at = ARGV[13] ~= '', tonumber(ARGV[14])
+local fields = slice(ARGV, 15, #ARGV)
+local leased = #KEYS - (watched and 2 or 0) >= 5
+
+-- The rollback watch: the store holding a smaller count than it acknowledged.
+local count, rolled_back, writer, mark = '', '0', nil, nil
+if watched then
+  writer, mark = KEYS[#KEYS - 1], KEYS[#KEYS]
+  local kept = tonumber(redis.call('GET', writer) or '0')
+  if kept < tonumber(ARGV[13]) then
+    rolled_back = '1'
+    redis.call('HSET', mark, 'detected_at', ARGV[2], 'writer', writer,
+      'acknowledged', ARGV[13], 'found', tostring(kept))
+    redis.call('EXPIRE', mark, ttl)
+  end
+end
+
+local function reply(verdict, attempt_now, detail_now, ...)
+  return {verdict, attempt_now, detail_now, effect, count, rolled_back, ...}
+end
 
 local current = redis.call('HMGET', journal, 'state', 'attempt', 'owner', 'lease_end', 'reason',
-  'fence', 'tool', 'call_digest', 'effect')
+  'fence', 'tool', 'call_digest', 'effect', 'interrupted_by')
 local state, attempt, owner = current[1], tonumber(current[2] or '0'), current[3]
 local owner_lease_end, pending_reason = tonumber(current[4] or '0'), current[5]
 
@@ -71,27 +105,27 @@ end
 
 -- The same task id for another call: refused before anything else, changing nothing.
 if current[7] and current[7] ~= tool then
-  return {'conflict', attempt, 'tool', effect, current[7]}
+  return reply('conflict', attempt, 'tool', current[7])
 end
 if current[8] and digest ~= '' and current[8] ~= digest then
-  return {'conflict', attempt, 'arguments', effect, current[7] or tool}
+  return reply('conflict', attempt, 'arguments', current[7] or tool)
 end
 
 -- A re-sent begin of the attempt we already own (a reconnect retried it).
 if state == 'running' and owner == token then
-  return {'started', attempt, 'same', effect, current[6] or '0'}
+  return reply('started', attempt, 'same', current[6] or '0')
 end
 
 -- The broker lease of a write with a deadline, before anything else is
 -- decided, as a separate extension before this script would do
 -- (extend_lease.lua, inlined: one round trip less when the broker is this
 -- Redis); a refused lease decides nothing and records nothing.
-if #KEYS >= 5 then
+if leased then
   if redis.call('EXISTS', KEYS[4]) == 1 then
-    return {'lease_busy', attempt, '', effect}
+    return reply('lease_busy', attempt, '')
   end
   if not redis.call('ZSCORE', KEYS[5], ARGV[9]) then
-    return {'lease_lost', attempt, '', effect}
+    return reply('lease_lost', attempt, '')
   end
   redis.call('ZADD', KEYS[5], 'XX', 'GT', ARGV[10], ARGV[9])
 end
@@ -100,26 +134,26 @@ if state == 'succeeded' then
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'duplicate_ignored', status = 'succeeded', attempt = attempt})
   local kept = redis.call('HMGET', journal, 'result', 'result_type')
-  return {'done', attempt, '', effect, kept[1] or '', kept[2] or ''}
+  return reply('done', attempt, '', kept[1] or '', kept[2] or '')
 end
 if state == 'dead_lettered' then
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'duplicate_ignored', status = 'dead_lettered', attempt = attempt})
-  return {'dead_lettered', attempt, '', effect}
+  return reply('dead_lettered', attempt, '')
 end
 if state == 'not_run' then
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'duplicate_ignored', status = 'not_run', attempt = attempt})
-  return {'not_run', attempt, '', effect}
+  return reply('not_run', attempt, '')
 end
 if state == 'dead_lettering' then
-  return {'dead_lettering', attempt, pending_reason or '', effect}
+  return reply('dead_lettering', attempt, pending_reason or '')
 end
 
 local detail = 'new'
 if state == 'running' then
   if owner_lease_end > now then
-    return {'owned', attempt, tostring(owner_lease_end), effect}
+    return reply('owned', attempt, tostring(owner_lease_end))
   end
   -- The owner's lease lapsed without an outcome: its worker is gone.
   state = 'interrupted'
@@ -129,31 +163,49 @@ if state == 'running' then
   append_event(stream, seq, maxlen, ttl, fields,
     {phase = 'interrupted', status = 'lease_lapsed', attempt = attempt})
   if effect == 'non_idempotent_write' and not resume then
-    return {'interrupted', attempt, 'lease_lapsed', effect}
+    return reply('interrupted', attempt, 'lease_lapsed')
   end
   detail = resume and 'reconciled' or 'reclaimed'
 elseif state == 'interrupted' then
   if effect == 'non_idempotent_write' and not resume then
-    return {'interrupted', attempt, 'interrupted', effect}
+    return reply('interrupted', attempt, current[10] or 'interrupted')
   end
   detail = resume and 'reconciled' or 'reclaimed'
 elseif state == 'failed' and effect == 'non_idempotent_write' and not resume
     and redis.call('HGET', journal, 'no_side_effect') == '0' then
   -- An interactive non-idempotent write that raised may have written (a tool
   -- called in a tool's body, its parent now running again): never again.
-  return {'interrupted', attempt, 'failed', effect}
+  return reply('interrupted', attempt, 'failed')
+elseif not state and watched and effect == 'non_idempotent_write' and not resume then
+  -- No entry: a new call, or one whose entry a rollback of the store lost.
+  local detected = tonumber(redis.call('HGET', mark, 'detected_at') or '0')
+  if detected > 0 and (sent_at == nil or sent_at < detected) then
+    redis.call('HSET', journal, 'state', 'interrupted', 'attempt', 0, 'effect', effect,
+      'tool', tool, 'updated_at', ARGV[2], 'interrupted_by', 'store_rolled_back')
+    if digest ~= '' then
+      redis.call('HSET', journal, 'call_digest', digest)
+    end
+    redis.call('EXPIRE', journal, ttl)
+    append_event(stream, seq, maxlen, ttl, fields,
+      {phase = 'interrupted', status = 'store_rolled_back', attempt = 0,
+       rollback_detected_at = tostring(detected)})
+    return reply('interrupted', 0, 'store_rolled_back')
+  end
 end
 
 if attempt >= allowed then
   local ended = redis.call('HMGET', journal, 'ended_failed', 'ended_interrupted',
     'ended_requested')
-  return {'exhausted', attempt, detail, effect, ended[1] or '0', ended[2] or '0', ended[3] or '0'}
+  return reply('exhausted', attempt, detail, ended[1] or '0', ended[2] or '0', ended[3] or '0')
 end
 
 attempt = attempt + 1
 local fence = redis.call('HINCRBY', journal, 'fence', 1)
 redis.call('HSET', journal, 'state', 'running', 'attempt', attempt, 'owner', token,
   'lease_end', lease_end, 'effect', effect, 'updated_at', ARGV[2], 'tool', tool)
+if current[10] then
+  redis.call('HDEL', journal, 'interrupted_by')
+end
 if digest ~= '' then
   redis.call('HSET', journal, 'call_digest', digest)
 end
@@ -161,4 +213,12 @@ redis.call('EXPIRE', journal, ttl)
 append_event(stream, seq, maxlen, ttl, fields,
   {phase = 'intent', status = 'started', attempt = attempt, reclaimed = detail,
    fencing_token = fence, effect = effect})
-return {'started', attempt, detail, effect, tostring(fence)}
+if watched then
+  -- One more intent acknowledged to this process. The key outlives the
+  -- journal (4 x its ttl): a process idle for longer reads as rolled back.
+  local acknowledged = math.max(tonumber(redis.call('GET', writer) or '0'),
+    tonumber(ARGV[13])) + 1
+  redis.call('SET', writer, acknowledged, 'EX', 4 * tonumber(ttl))
+  count = tostring(acknowledged)
+end
+return reply('started', attempt, detail, tostring(fence))
