@@ -244,11 +244,14 @@ def test_worker_refuses_a_deadline_beyond_rabbitmq_consumer_timeout(
 def test_worker_warns_about_a_store_that_persists_nothing(
     make_app: Callable[..., Celery], second_redis: object, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # The suite's apps accept a volatile store (tests/support.py): a warning.
     app = make_app(tooleffect_redis_url=second_redis.url,  # type: ignore[attr-defined]
                    worker_prefetch_multiplier=4)
     run_checks(app)
     text = caplog.text
-    assert "the journal and audit store" in text and "persists nothing" in text
+    assert ("VOLATILE STORE ALLOWED (tooleffect_allow_volatile_store = True): the journal "
+            "and audit store") in text
+    assert "(no AOF and no RDB snapshots, read by CONFIG GET)" in text
     assert "worker_prefetch_multiplier is 4" in text
     # Each names the section of the docs that says what it means and what to do.
     assert "see docs/operations.md#prefetch" in text

@@ -28,7 +28,7 @@ from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.testing import RedisServer, WorkerProcess, redis_server
 from celery_tooleffect.worker.replication import online_replicas
 from tests.conftest import TESTS, app_config, start_celery_worker, wait_for
-from tests.topologies import sentinel_set
+from tests.topologies import MASTER, sentinel_set
 
 
 @pytest.fixture
@@ -108,14 +108,85 @@ def test_an_intent_no_replica_acknowledged_never_runs_its_body(
         worker.stop()
 
 
-def test_more_replicas_than_the_store_has_are_refused_at_start(
+#: A write waits out a store short of replicas within this budget (about 15 s).
+WAITING = {"tooleffect_store_replicas": 1, "tooleffect_store_wait_timeout": 0.3,
+           "tooleffect_max_retries": 40, "tooleffect_backoff_base": 0.2,
+           "tooleffect_backoff_cap": 0.4}
+
+
+def _intents(server: RedisServer, prefix: str, task_id: str) -> int:
+    return sum(1 for _, fields in server.client().xrange(Keys(f"{prefix}te:").run_events(task_id))
+               if fields[b"phase"] == b"intent")
+
+
+def test_a_store_short_of_replicas_starts_runs_reads_and_holds_writes(
         primary: RedisServer, tmp_path: Path, prefix: str) -> None:
-    worker = _worker(tmp_path, prefix, primary.url, {"tooleffect_store_replicas": 1},
-                     wait=False)
-    output = _refused(worker)
-    assert "tooleffect_store_replicas is 1 but the journal and audit store" in output
-    assert "has 0 replica(s) in sync" in output
-    assert "ready" not in output.split("tooleffect_store_replicas is 1")[0]
+    """Replicas in sync are a state that changes by itself: a standalone store
+    with none of the one asked for starts, reads run, a write waits (each
+    attempt ends before its body) and runs once a replica is in sync."""
+    worker = _worker(tmp_path, prefix, primary.url, WAITING)
+    producer = _producer(prefix, primary.url)
+    try:
+        assert ("has 0 of the 1 replica(s) in sync that tooleffect_store_replicas asks for: "
+                "reads run, and writes end before their bodies") in worker.output()
+        assert producer.send_task("prod.read", ("r",)).get(timeout=30) == "read r"
+        held = producer.send_task("prod.write", ("held",))
+        wait_for(lambda: _intents(primary, prefix, held.id) >= 3, timeout=30,
+                 what="the write to try and wait")
+        assert not (tmp_path / "runs" / "held").exists(), "a body ran over an unreplicated intent"
+        with redis_server("--replicaof", "127.0.0.1", str(primary.port)):
+            assert held.get(timeout=60) == "wrote held"
+            wait_for(lambda: "replica(s) in sync again: writes run" in worker.output(),
+                     timeout=30, what="the worker to say the replicas are back")
+        assert (tmp_path / "runs" / "held").read_text().count("\n") == 1
+    finally:
+        worker.stop()
+
+
+def test_more_replicas_than_the_sentinels_know_are_refused_at_start(
+        tmp_path: Path, prefix: str) -> None:
+    """Behind Sentinel a replica that is down is still known: asking for more
+    than the Sentinels know can never work (tooleffect_store_replicas is 1 by
+    default behind Sentinel)."""
+    with sentinel_set(replicas=0) as group:
+        worker = _worker(tmp_path, prefix, group.urls, {},
+                         transport={"master_name": MASTER}, wait=False)
+        output = _refused(worker)
+    assert "tooleffect_store_replicas is 1 but the Sentinels of the journal and audit" in output
+    assert "know 0 replica(s) in all" in output
+
+
+@pytest.mark.alone
+def test_behind_sentinel_a_replica_down_at_start_holds_writes_until_it_is_back(
+        tmp_path: Path, prefix: str) -> None:
+    """The Sentinel set-up of issue 37: its one replica is down when the worker
+    starts. The worker starts, reads run, writes wait, and run once when the
+    replica is back."""
+    with sentinel_set(replicas=1) as group:
+        replica = group.servers[1]
+        replica.kill()
+        master = group.master()
+        wait_for(lambda: online_replicas(master.client()) == 0, timeout=15,
+                 what="the primary to see its replica gone")
+        worker = _worker(tmp_path, prefix, group.urls, WAITING,
+                         transport={"master_name": MASTER})
+        producer = _producer(prefix, group.urls)
+        producer.conf.broker_transport_options = {"global_keyprefix": prefix,
+                                                  "master_name": MASTER}
+        producer.conf.result_backend_transport_options = {"global_keyprefix": prefix,
+                                                          "master_name": MASTER}
+        try:
+            assert "has 0 of the 1 replica(s) in sync" in worker.output()
+            assert producer.send_task("prod.read", ("r",)).get(timeout=30) == "read r"
+            held = producer.send_task("prod.write", ("held",))
+            wait_for(lambda: _intents(master, prefix, held.id) >= 3, timeout=30,
+                     what="the write to try and wait")
+            assert not (tmp_path / "runs" / "held").exists()
+            replica.start()
+            assert held.get(timeout=60) == "wrote held"
+            assert (tmp_path / "runs" / "held").read_text().count("\n") == 1
+        finally:
+            worker.stop()
 
 
 def test_fsync_is_refused_by_a_store_without_waitaof(

@@ -48,9 +48,8 @@ app.conf.update(app_config(
     broker_use_ssl=_json("TE_SSL") or None,
     redis_backend_use_ssl=_json("TE_SSL") or None,
     tooleffect_redis_url=os.environ.get("TE_STORE") or None,
-    tooleffect_max_retries=5,
     worker_hijack_root_logger=True,
-    **_json("TE_SETTINGS"),
+    **{"tooleffect_max_retries": 5, **_json("TE_SETTINGS")},
 ))
 
 
