@@ -114,6 +114,14 @@ class RedisEndpoint:
         return ("sentinel", frozenset(self.sentinels), self.master_name, self.db,
                 options.get("username") or "default", options.get("password") or "")
 
+    def server(self) -> tuple[Any, ...]:
+        """Which server process (or Sentinel-named master) this reaches, whatever
+        the database or user: two endpoints with the same server are rolled back
+        together when it restarts from an older file."""
+        if self.sentinels:
+            return ("sentinel", frozenset(self.sentinels), self.master_name)
+        return server_identity(self.options)[:2]
+
     def describe(self) -> str:
         """Where this is, for messages: no password."""
         options = self.options

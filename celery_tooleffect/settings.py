@@ -145,6 +145,15 @@ class Settings:
         """:attr:`dead_letter_store`, resolved from :attr:`dead_letter_url` likewise."""
         return self.dead_letter_store or resolve(self.dead_letter_url, setting="broker_url")
 
+    @property
+    def broker_rolls_back_with_store(self) -> bool:
+        """Whether the broker is a Redis on the store's server (any database): a
+        rollback of the store then rolls the queues back with it, so a message
+        that ran before the rollback comes back as if never delivered."""
+        broker = self.broker_redis
+        return broker is not None and (
+            self.redis_cluster or broker.server() == self.store_endpoint.server())
+
     def backoff(self, retries: int) -> float:
         """Seconds to wait before retry number ``retries + 1``."""
         return float(min(self.backoff_base * (2**retries), self.backoff_cap))

@@ -129,6 +129,7 @@ class Journal:
         broker_lease: BrokerLease | None = None,
         broker_lease_end: float = 0.0,
         sent_at: float | None = None,
+        first_delivery: bool = False,
     ) -> Begin:
         """Record the intent of an attempt, or say why this delivery must not run.
 
@@ -153,7 +154,8 @@ class Journal:
         not on a cluster): ``Begin.rolled_back`` says this call found one, and
         a NON_IDEMPOTENT_WRITE with no entry published (``sent_at``, unix
         seconds; None: unknown) before the last one found is INTERRUPTED,
-        detail ``store_rolled_back``.
+        detail ``store_rolled_back`` (never a ``first_delivery``: a message its
+        broker never delivered before cannot have run).
         """
         keys = self._keys(ref)
         lease_args: list[str | int] = ["", ""]
@@ -176,7 +178,7 @@ class Journal:
             tool,
             call_digest,
             INTENTS.seen(writer) if writer else "",
-            "" if sent_at is None else f"{sent_at:.6f}",
+            "first" if first_delivery else "" if sent_at is None else f"{sent_at:.6f}",
             *flatten(event),
         ]
         begin = script("begin_attempt")

@@ -485,6 +485,11 @@ class Execution:
                     broker_lease=with_intent,
                     broker_lease_end=deadline_end,
                     sent_at=attempt.sent_at,
+                    # A broker that is not rolled back with the store knows
+                    # whether it delivered the message before (RabbitMQ's
+                    # redelivered, kombu's restore on another Redis).
+                    first_delivery=not (attempt.again or attempt.interactive
+                                        or runtime.settings.broker_rolls_back_with_store),
                 )
                 # kombu's restore sweep holds its mutex for a moment: wait it
                 # out, as Leases.extend_lease does (nothing was recorded).

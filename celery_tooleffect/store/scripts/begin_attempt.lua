@@ -21,7 +21,8 @@
 -- ARGV[11] the tool's name    ARGV[12] the digest of the call's arguments
 -- ARGV[13] the count of intents this store last acknowledged to the calling
 --          process ('' when not watched for rollbacks)
--- ARGV[14] when the message was published ('' when it does not say)
+-- ARGV[14] when the message was published ('' when it does not say; 'first'
+--          when its broker never delivered it before, so it cannot have run)
 -- ARGV[15..] event field/value pairs
 --
 -- A call is bound to its tool and arguments: the first intent records both,
@@ -70,7 +71,7 @@ local token, now, lease_end = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local effect, allowed, ttl, maxlen = ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
 local resume = ARGV[8] == '1'
 local tool, digest = ARGV[11], ARGV[12]
-local watched, sent_at = ARGV[13] ~= '', tonumber(ARGV[14])
+local watched, sent_at, first = ARGV[13] ~= '', tonumber(ARGV[14]), ARGV[14] == 'first'
 local fields = slice(ARGV, 15, #ARGV)
 local leased = #KEYS - (watched and 2 or 0) >= 5
 
@@ -176,7 +177,8 @@ elseif state == 'failed' and effect == 'non_idempotent_write' and not resume
   -- An interactive non-idempotent write that raised may have written (a tool
   -- called in a tool's body, its parent now running again): never again.
   return reply('interrupted', attempt, 'failed')
-elseif not state and watched and effect == 'non_idempotent_write' and not resume then
+elseif not state and watched and effect == 'non_idempotent_write' and not resume
+    and not first then
   -- No entry: a new call, or one whose entry a rollback of the store lost.
   local detected = tonumber(redis.call('HGET', mark, 'detected_at') or '0')
   if detected > 0 and (sent_at == nil or sent_at < detected) then
