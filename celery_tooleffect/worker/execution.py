@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import redis
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
+from kombu.exceptions import EncodeError
 from kombu.serialization import dumps, loads
 
 from ..effect import ToolEffect
@@ -48,6 +49,7 @@ from ..errors import (
     LeaseLost,
     LeaseNotSecured,
     ReconcileFailed,
+    ResultNotStorable,
     RetriesExhausted,
     StoreUnavailable,
     ToolEffectError,
@@ -283,8 +285,11 @@ class Execution:
         # Celery's result rides in the audit append when the result backend is
         # the store's Redis (worker/results.py); a read's audit is fail-soft,
         # so when the append fails the result is left to Celery.
-        stored = None if attempt.interactive else result_for_outcome(
-            self.tool, self.request, result, runtime)
+        try:
+            stored = None if attempt.interactive else result_for_outcome(
+                self.tool, self.request, result, runtime)
+        except EncodeError as refused:
+            raise self._result_not_storable(result, refused, number, started) from None
         if not runtime.audit.record_step(
             attempt.context.event(
                 "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
@@ -348,8 +353,13 @@ class Execution:
         )
         # Celery's result, stored by the outcome's script when the result
         # backend is the store's Redis (worker/results.py).
-        stored = None if attempt.interactive else result_for_outcome(
-            self.tool, self.request, result, runtime)
+        try:
+            stored = None if attempt.interactive else result_for_outcome(
+                self.tool, self.request, result, runtime)
+        except EncodeError as refused:
+            if begin.intent_event is not None:
+                runtime.audit.copy_to_global(begin.intent_event)
+            raise self._result_not_storable(result, refused, number, started) from None
         try:
             # SUCCEED_FROM includes 'absent': see its comment.
             moved = runtime.journal.transition(
@@ -385,6 +395,34 @@ class Execution:
             if stored is not None:
                 stored_by_the_outcome(self.request)
         return result
+
+    def _result_not_storable(
+        self, result: Any, refused: EncodeError, number: int, started: float,
+    ) -> BaseException:
+        """The body returned a result the result backend's serializer cannot
+        encode: the call ran once and ends here, a dead letter ``not_retryable``
+        whose letter says the body completed (for a write the journal records
+        that it ran: ``dead_lettered``, never interrupted, so no reconciler is
+        asked and no delivery runs it again). Celery's result is the
+        :class:`ResultNotStorable` naming the type and the encoder's error."""
+        type_name = _type_name(result)
+        serializer = getattr(getattr(self.tool, "backend", None), "serializer", None) or "json"
+        failed = _caused(ResultNotStorable(
+            f"{self.label} ran, but its result cannot be stored: the result serializer "
+            f"{serializer!r} cannot encode a {type_name}: {type(refused).__name__}: {refused}. "
+            f"The tool must return a value {serializer!r} can encode",
+            result_type=type_name,
+        ), refused)
+        return self._dead_letter(
+            DeadLetterReason.NOT_RETRYABLE, failed, FailureClass.UNKNOWN,
+            owned=True, attempts=number, body_completed=True, error=failed,
+            outcome_event=self.attempt.context.event(
+                "outcome", "result_not_stored", attempt=number,
+                duration_ms=_ms_since(started), exception=failed,
+                failure_class=FailureClass.UNKNOWN.value,
+                payload=self._payload(error=failed),
+            ),
+        )
 
     def _acknowledged(self) -> None:
         """The script that recorded the success acknowledged the message too."""
@@ -1022,6 +1060,13 @@ def _caused(ending: BaseException, cause: BaseException) -> BaseException:
     ending.__cause__ = cause
     ending.__suppress_context__ = True
     return ending
+
+
+def _type_name(value: Any) -> str:
+    """The name of ``value``'s type, with its module unless a builtin's."""
+    kind = type(value)
+    return (kind.__qualname__ if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}")
 
 
 def _message_headers(request: Context) -> Mapping[str, Any]:
