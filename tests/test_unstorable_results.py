@@ -7,7 +7,7 @@ interruption (a read or an idempotent write ran again until its budget was
 spent; a non-idempotent write became an ``interrupted_write`` letter saying
 its body had not completed). Now the pool process tries the encoding before
 it records anything: the call is a dead letter ``not_retryable``, class
-``unknown``, whose letter says the body completed; Celery's result is the
+``unknown``, whose letter says a write's body completed; Celery's result is the
 ``ResultNotStorable`` (an ``EncodeError``) naming the type; a write's journal
 says ``dead_lettered`` with ``body_completed``, never interrupted.
 
@@ -26,6 +26,7 @@ from celery import Celery
 from kombu.exceptions import EncodeError
 
 from celery_tooleffect import AuditLog, DeadLetters, ResultNotStorable, ToolEffect
+from celery_tooleffect.admin.operations.rules import replay_refusal
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.testing import RedisServer, WorkerProcess, start_celery_worker, wait_for
@@ -78,21 +79,28 @@ def ends_once(app: Celery, effect: ToolEffect, kind: str, *, main_redis: redis.R
     assert f"cannot encode a {type_name}: EncodeError: " in str(failure)
     with pytest.raises(EncodeError):
         result.get(timeout=5)
-    # The dead letter: not retryable, class unknown, the body completed.
+    # The dead letter: not retryable, class unknown; a write's says its body completed.
     letter = letters.get(result.id)
     assert letter is not None
     assert (letter.reason, letter.failure_class, letter.exception_type, letter.body_completed,
-            letter.attempts) == ("not_retryable", "unknown", "ResultNotStorable", True, 1)
+            letter.attempts) == ("not_retryable", "unknown", "ResultNotStorable",
+                                 effect.is_write, 1)
     assert f"a {type_name}: EncodeError: " in letter.error
     events = [(event["phase"], event["status"]) for event in AuditLog(app).events(result.id)]
     assert ("outcome", "result_not_stored") in events
     assert not any(phase == "interrupted" for phase, _ in events), events
+    refusal = replay_refusal(letter, force=False, reason="", bulk=False)
     if effect.is_write:
+        # A plain replay would write again: refused, saying why.
+        assert refusal is not None and refusal.startswith("the write already ran:")
+        assert "its result could not be stored (ResultNotStorable)" in refusal
         # The journal says the write ran and ended: settled, never interrupted.
         entry = runtime_for(app).journal.read(JournalRef(result.id, result.id))
         assert (entry.get("state"), entry.get("body_completed"),
                 entry.get("exception_type")) == ("dead_lettered", "1", "ResultNotStorable")
         assert events[0] == ("intent", "started")
+    else:
+        assert refusal is None  # a read replays (once the tool is fixed, it answers)
 
 
 @pytest.mark.parametrize("effect", list(ToolEffect), ids=lambda effect: effect.value)

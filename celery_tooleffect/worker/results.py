@@ -86,8 +86,7 @@ def result_for_outcome(tool: Any, request: Any, result: Any,
         return None
     backend = tool.backend
     if not backend_is_the_store(backend, runtime):
-        if not isinstance(backend, DisabledBackend):
-            backend.encode(backend.encode_result(result, celery_states.SUCCESS))
+        check_storable(tool, request, result)
         return None
     # What Backend.store_result and BaseKeyValueStoreBackend._store_result do.
     encoded = backend.encode_result(result, celery_states.SUCCESS)
@@ -100,6 +99,17 @@ def result_for_outcome(tool: Any, request: Any, result: Any,
     expires = backend.expires
     return StoredResult(backend.get_key_for_task(request.id), value,
                         int(expires) if expires else None)
+
+
+def check_storable(tool: Any, request: Any, result: Any) -> None:
+    """Raise kombu's ``EncodeError`` if Celery's result backend cannot encode
+    ``result`` as it stores a success (every backend encodes it with
+    ``Backend.encode``); nothing for a result Celery does not store."""
+    if request.is_eager or request.called_directly or _ignored(tool, request):
+        return
+    backend = tool.backend
+    if not isinstance(backend, DisabledBackend):
+        backend.encode(backend.encode_result(result, celery_states.SUCCESS))
 
 
 def stored_by_the_outcome(request: Any) -> None:
