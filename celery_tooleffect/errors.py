@@ -13,6 +13,8 @@ wrong and what it means::
      |    +-- IntentNotDurable            an intent was not replicated / fsynced as
      |                                    tooleffect_store_replicas asks, so the body did not run
      +-- AuditPersistenceFailed          a write's outcome could not be recorded (UNKNOWN)
+     +-- ResultNotStorable               (also kombu's EncodeError) the body returned a
+     |                                   result the app's result serializer cannot encode
      +-- InterruptedWrite                a non-idempotent write started and never finished
      +-- TaskRevokedWhileRunning         revoke(terminate=True) stopped a running write
      +-- RetriesExhausted                the retry budget is spent
@@ -46,6 +48,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject
+from kombu.exceptions import EncodeError
 
 
 class ToolEffectError(Exception):
@@ -76,6 +79,33 @@ class AuditPersistenceFailed(ToolEffectError):
 
 def _rebuild_audit_failed(message: str, body_completed: bool) -> AuditPersistenceFailed:
     return AuditPersistenceFailed(message, body_completed=body_completed)
+
+
+class ResultNotStorable(ToolEffectError, EncodeError):
+    """The tool's body returned, and the app's result serializer cannot encode
+    what it returned (a ``set`` under JSON, an object pickle refuses): the
+    call ran to its end (a write's effect happened) and its result cannot be
+    kept. The message names the result's type and the encoder's own error;
+    ``result_type`` is that type's name. Also kombu's ``EncodeError``, what
+    Celery stores for a result it cannot encode, so ``except EncodeError``
+    matches as on plain Celery.
+
+    The call ends once, as a dead letter ``not_retryable`` whose letter says
+    the body completed: running the body again would repeat its effect and
+    return the same kind of value. Its class is UNKNOWN, not CLIENT_ERROR:
+    CLIENT_ERROR tells a caller that its request was at fault and that other
+    arguments may succeed, while here no caller can change the outcome (the
+    tool's code returned a value the app cannot store), which is the case of
+    an outcome that could not be recorded after the body returned
+    (``AuditPersistenceFailed``, UNKNOWN). The class is declared on the type,
+    so no registration of ``EncodeError`` makes it retried.
+    """
+
+    failure_class = "unknown"
+
+    def __init__(self, message: str, *, result_type: str = "") -> None:
+        super().__init__(message)
+        self.result_type = result_type
 
 
 class StoreUnavailable(ToolEffectError):

@@ -86,6 +86,9 @@ class CallReport:
     #: The failure class and dead-letter reason (DEAD_LETTERED; FAILED: the class).
     failure_class: str = ""
     dead_letter_reason: str = ""
+    #: DEAD_LETTERED: the body ran to its end (its result or outcome could not
+    #: be kept), so any effect of it took place.
+    body_completed: bool = False
     #: For invalid arguments: each field that does not fit, and why.
     invalid: tuple[dict[str, Any], ...] = field(default=())
 
@@ -108,6 +111,8 @@ class CallReport:
         for name in ("error_type", "error", "failure_class", "dead_letter_reason"):
             if getattr(self, name):
                 data[name] = getattr(self, name)
+        if self.body_completed:
+            data["body_completed"] = True
         if self.invalid:
             data["invalid_arguments"] = list(self.invalid)
         data["message"] = self.message()
@@ -134,7 +139,9 @@ class CallReport:
             return f"{tool} was cancelled by an operator (task_id {task})."
         said = f"{self.error_type}: {self.error}" if self.error_type else self.error
         if status is CallStatus.DEAD_LETTERED:
-            after = (" It may or may not have taken effect; do not call it again."
+            after = (" It ran to its end: whatever it does was done; do not call it again."
+                     if self.body_completed else
+                     " It may or may not have taken effect; do not call it again."
                      if self.dead_letter_reason in ("interrupted_write", "revoked") else
                      " It will not be retried; do not call it again with the same arguments.")
             return (f"{tool} failed ({self.failure_class}) and was dead-lettered "
@@ -342,7 +349,7 @@ class ToolCaller:
                 base, status=CallStatus.DEAD_LETTERED, tool=base.tool or letter.name,
                 run_id=run_id or letter.run_id, error_type=error_type.rsplit(".", 1)[-1],
                 error=letter.error or str(value or ""), failure_class=letter.failure_class,
-                dead_letter_reason=letter.reason)
+                dead_letter_reason=letter.reason, body_completed=letter.body_completed)
         if state == celery_states.FAILURE:
             failure_class = (value.failure_class if isinstance(value, DeadLettered)
                              else runtime.classifier.classify(value).value

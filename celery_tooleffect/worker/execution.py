@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import redis
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
+from kombu.exceptions import EncodeError
 from kombu.serialization import dumps, loads
 
 from ..effect import ToolEffect
@@ -48,6 +49,7 @@ from ..errors import (
     LeaseLost,
     LeaseNotSecured,
     ReconcileFailed,
+    ResultNotStorable,
     RetriesExhausted,
     StoreUnavailable,
     ToolEffectError,
@@ -71,7 +73,7 @@ from .faults import crash_point
 from .handoff import PendingLetter, handoff_of, noted, notes_of
 from .heartbeat import Heartbeat, LeasePlan, plan_leases
 from .letters import begin_dead_letter, build_letter, dead_lettered
-from .results import result_for_outcome, stored_by_the_outcome
+from .results import check_storable, result_for_outcome, stored_by_the_outcome
 from .retries import REQUESTED_EXHAUSTED_MARK, RetryPolicy, exhausted_text
 from .signals import AUDITED_MARK
 from .telemetry import tool_call_span
@@ -283,8 +285,12 @@ class Execution:
         # Celery's result rides in the audit append when the result backend is
         # the store's Redis (worker/results.py); a read's audit is fail-soft,
         # so when the append fails the result is left to Celery.
-        stored = None if attempt.interactive else result_for_outcome(
-            self.tool, self.request, result, runtime)
+        try:
+            stored = None if attempt.interactive else result_for_outcome(
+                self.tool, self.request, result, runtime)
+        except EncodeError as refused:
+            raise self._result_not_storable(result, refused, number,
+                                            duration_ms=_ms_since(started)) from None
         if not runtime.audit.record_step(
             attempt.context.event(
                 "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
@@ -348,8 +354,14 @@ class Execution:
         )
         # Celery's result, stored by the outcome's script when the result
         # backend is the store's Redis (worker/results.py).
-        stored = None if attempt.interactive else result_for_outcome(
-            self.tool, self.request, result, runtime)
+        try:
+            stored = None if attempt.interactive else result_for_outcome(
+                self.tool, self.request, result, runtime)
+        except EncodeError as refused:
+            if begin.intent_event is not None:
+                runtime.audit.copy_to_global(begin.intent_event)
+            raise self._result_not_storable(result, refused, number,
+                                            duration_ms=_ms_since(started)) from None
         try:
             # SUCCEED_FROM includes 'absent': see its comment.
             moved = runtime.journal.transition(
@@ -385,6 +397,41 @@ class Execution:
             if stored is not None:
                 stored_by_the_outcome(self.request)
         return result
+
+    def _result_not_storable(
+        self, result: Any, refused: EncodeError, number: int, *,
+        duration_ms: float | None = None, owned: bool = True, ran: str = "ran",
+    ) -> BaseException:
+        """The body returned a result the result backend's serializer cannot
+        encode (or, ``ran`` says so, a reconcile found the write applied with
+        one): the call ran once and ends here, a dead letter ``not_retryable``.
+        A write's letter says its body completed (a replay is refused without
+        ``--force``: it would write again) and its journal records that it
+        ran: ``dead_lettered``, never interrupted, so no reconciler is asked
+        and no delivery runs it again. A read's letter replays as any read's
+        (once the tool is fixed, it answers). Celery's result is the
+        :class:`ResultNotStorable` naming the type and the encoder's error.
+        ``owned``: this attempt runs under its owner token (not a reconciled
+        one)."""
+        type_name = _type_name(result)
+        serializer = getattr(getattr(self.tool, "backend", None), "serializer", None) or "json"
+        failed = _caused(ResultNotStorable(
+            f"{self.label} {ran}, but its result cannot be stored: the result serializer "
+            f"{serializer!r} cannot encode a {type_name}: {type(refused).__name__}: {refused}. "
+            f"The tool must return a value {serializer!r} can encode",
+            result_type=type_name,
+        ), refused)
+        return self._dead_letter(
+            DeadLetterReason.NOT_RETRYABLE, failed, FailureClass.UNKNOWN,
+            owned=owned, attempts=number, body_completed=self.attempt.effect.is_write,
+            error=failed,
+            outcome_event=self.attempt.context.event(
+                "outcome", "result_not_stored", attempt=number,
+                duration_ms=duration_ms, exception=failed,
+                failure_class=FailureClass.UNKNOWN.value,
+                payload=self._payload(error=failed),
+            ),
+        )
 
     def _acknowledged(self) -> None:
         """The script that recorded the success acknowledged the message too."""
@@ -598,8 +645,15 @@ class Execution:
         )
 
     def _settle_reconciled(self, answer: Reconciliation, begin: Begin) -> Reconciliation:
-        """The interrupted write happened: record its success with the tool's result."""
+        """The interrupted write happened: record its success with the tool's result
+        (a result Celery cannot store ends it as the body's would)."""
         attempt = self.attempt
+        try:
+            check_storable(self.tool, self.request, answer.result)
+        except EncodeError as refused:
+            raise self._result_not_storable(
+                answer.result, refused, begin.attempt, owned=False,
+                ran="was reconciled as applied") from None
         event = attempt.context.event(
             "outcome", "succeeded", attempt=begin.attempt, reconciled="1",
             payload=self._payload(result=answer.result),
@@ -1047,6 +1101,13 @@ def _caused(ending: BaseException, cause: BaseException) -> BaseException:
     ending.__cause__ = cause
     ending.__suppress_context__ = True
     return ending
+
+
+def _type_name(value: Any) -> str:
+    """The name of ``value``'s type, with its module unless a builtin's."""
+    kind = type(value)
+    return (kind.__qualname__ if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}")
 
 
 def _message_headers(request: Context) -> Mapping[str, Any]:

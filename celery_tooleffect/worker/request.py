@@ -227,7 +227,9 @@ class ToolRequest(Request):  # type: ignore[misc]
             # would delete the message; the journal decides instead, as for an
             # interruption: a recorded outcome is acknowledged, a read or an
             # idempotent write runs again, a started non-idempotent write is
-            # dead-lettered.
+            # dead-lettered. (A result the backend's serializer cannot encode
+            # never gets here: the pool process tries the encoding before it
+            # records anything and ends the call itself, worker/results.py.)
             return self._on_interrupted(exc, why="outside_body")
         try:
             self._tooleffect_failure_class = self.runtime.classifier.classify(exc).value

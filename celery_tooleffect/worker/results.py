@@ -26,6 +26,7 @@ from typing import Any
 
 from celery import states as celery_states
 from celery.app.task import get_actual_ignore_result
+from celery.backends.base import DisabledBackend
 
 from ..endpoints import server_identity
 from ..store.audit import StoredResult
@@ -72,11 +73,20 @@ def backend_identity(backend: Any) -> tuple[Any, ...] | None:
 def result_for_outcome(tool: Any, request: Any, result: Any,
                        runtime: ToolRuntime) -> StoredResult | None:
     """Celery's result record of this successful call, to be stored by the
-    outcome's script; None when Celery stores it itself (see the module docs)."""
+    outcome's script; None when Celery stores it itself (see the module docs).
+
+    Raises kombu's ``EncodeError`` when the result backend's serializer
+    cannot encode ``result``, before anything is recorded, whichever backend
+    stores it: Celery's tracer would raise it from ``mark_as_done`` only after
+    the outcome, and the acknowledgement riding with it, were recorded, and
+    report a failure outside the body (a read would then run again). For a
+    backend other than the store's Redis this encodes the result once more
+    than Celery does (the backends all store it with ``Backend.encode``)."""
     if request.is_eager or request.called_directly or _ignored(tool, request):
         return None
     backend = tool.backend
     if not backend_is_the_store(backend, runtime):
+        check_storable(tool, request, result)
         return None
     # What Backend.store_result and BaseKeyValueStoreBackend._store_result do.
     encoded = backend.encode_result(result, celery_states.SUCCESS)
@@ -89,6 +99,17 @@ def result_for_outcome(tool: Any, request: Any, result: Any,
     expires = backend.expires
     return StoredResult(backend.get_key_for_task(request.id), value,
                         int(expires) if expires else None)
+
+
+def check_storable(tool: Any, request: Any, result: Any) -> None:
+    """Raise kombu's ``EncodeError`` if Celery's result backend cannot encode
+    ``result`` as it stores a success (every backend encodes it with
+    ``Backend.encode``); nothing for a result Celery does not store."""
+    if request.is_eager or request.called_directly or _ignored(tool, request):
+        return
+    backend = tool.backend
+    if not isinstance(backend, DisabledBackend):
+        backend.encode(backend.encode_result(result, celery_states.SUCCESS))
 
 
 def stored_by_the_outcome(request: Any) -> None:

@@ -147,6 +147,23 @@ def test_an_agent_loop_calls_a_read_and_a_write(agents: Agents, framework: str) 
     assert app.AsyncResult(write_id).get(timeout=10) == "INV-inv-1"
 
 
+def test_a_write_whose_result_cannot_be_stored_ran_once_and_the_model_is_told_why(
+        agents: Agents, framework: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TE_UNSTORABLE_TOOL", "1")  # shop.tag returns a set
+    agents.worker()
+    app = build(agents.prefix)
+    seen = anyio.run(DRIVERS[framework], app, [("shop_tag", {"key": "t2"}, "call_tag")],
+                     a_run_id(framework))
+
+    said, is_error = seen["call_tag"]
+    assert "dead-lettered (not_retryable): ResultNotStorable: " in said
+    assert "cannot encode a set: EncodeError: Object of type set is not JSON serializable" \
+        in said
+    assert "It ran to its end" in said
+    assert is_error or framework == "openai-agents"  # its tool outputs carry no error flag
+    assert agents.runs("t2") == 1
+
+
 def test_a_rerun_of_the_same_tool_call_after_a_crash_mid_write_ran_once(
         agents: Agents, framework: str) -> None:
     first = agents.worker()

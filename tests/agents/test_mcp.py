@@ -3,6 +3,7 @@ client, over stdio and streamable HTTP, against real workers on Redis."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from typing import Any
@@ -124,6 +125,43 @@ def test_a_failing_write_is_an_error_result_naming_class_reason_and_task(
     letter = DeadLetters(build(agents.prefix)).get(content["task_id"])
     assert letter is not None and letter.name == "shop.charge"
     assert agents.runs("big") == 1
+
+
+@pytest.mark.parametrize("transport", ["stdio", "streamable-http"])
+def test_a_write_whose_result_cannot_be_stored_ran_once_and_the_model_is_told_why(
+        agents: Agents, monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
+    """``shop.tag`` returns a set, which the JSON result serializer cannot
+    encode: the write ran once, and the call's answer (and the status tool's)
+    names the encoder's error and the type, and says it took effect."""
+    monkeypatch.setenv("TE_UNSTORABLE_TOOL", "1")
+    agents.worker()
+
+    async def scenario() -> tuple[types.CallToolResult, types.CallToolResult]:
+        async with contextlib.AsyncExitStack() as stack:
+            session = await stack.enter_async_context(
+                agents.stdio() if transport == "stdio" else agents.http(agents.http_server()))
+            called = await session.call_tool("shop.tag", {"key": "t1"})
+            assert called.structured_content is not None
+            status = await session.call_tool(
+                STATUS_TOOL, {"task_id": called.structured_content["task_id"]})
+            return called, status
+
+    called, status = anyio.run(scenario)
+    assert called.is_error
+    content = called.structured_content
+    assert content is not None
+    assert (content["status"], content["failure_class"], content["dead_letter_reason"],
+            content["error_type"], content["body_completed"]) == (
+        "dead_lettered", "unknown", "not_retryable", "ResultNotStorable", True)
+    said = text(called)
+    assert "cannot encode a set: EncodeError: Object of type set is not JSON serializable" \
+        in said
+    assert "It ran to its end" in said and content["task_id"] in said
+    assert status.structured_content is not None
+    assert status.structured_content["error"] == content["error"]
+    assert agents.runs("t1") == 1
+    letter = DeadLetters(build(agents.prefix)).get(content["task_id"])
+    assert letter is not None and letter.body_completed and letter.name == "shop.tag"
 
 
 def test_an_approval_waits_then_the_status_tool_answers_once_approved(agents: Agents) -> None:

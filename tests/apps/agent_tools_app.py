@@ -8,7 +8,9 @@ visibility timeout is 6 s, so that a write of a killed worker comes back soon;
 a call parked for approval is answered as waiting after 1 s.
 
 Each write counts its runs in ``<prefix>count:<key>``; ``send_invoice`` holds
-while ``<prefix>hold:<key>`` exists (the tests kill the worker then).
+while ``<prefix>hold:<key>`` exists (the tests kill the worker then). With
+TE_UNSTORABLE_TOOL set, ``shop.tag`` is a write whose result (a ``set``) the
+JSON result serializer cannot encode.
 """
 
 from __future__ import annotations
@@ -91,6 +93,14 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
         """Refund an order; a person approves every refund."""
         count(key)
         return f"refunded {cents} ({reason})"
+
+    if os.environ.get("TE_UNSTORABLE_TOOL"):
+        @app.task(base=ToolTask, name="shop.tag", shared=False,
+                  effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+        def tag(key: str) -> set[str]:
+            """Tag an order; answers its tags as a set, which JSON cannot encode."""
+            count(key)
+            return {key}
 
     if os.environ.get("TE_UNTYPED_TOOL"):
         @app.task(base=ToolTask, name="shop.untyped", shared=False)

@@ -30,6 +30,7 @@ import pytest
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.threads import LocalStack
+from kombu.exceptions import EncodeError
 
 from celery_tooleffect.effect import ToolEffect
 from celery_tooleffect.errors import (
@@ -42,6 +43,7 @@ from celery_tooleffect.errors import (
     IntentNotDurable,
     IntentNotRecorded,
     LeaseLost,
+    ResultNotStorable,
     StoreUnavailable,
 )
 from celery_tooleffect.events import AuditEvent
@@ -682,6 +684,75 @@ def test_a_reconciled_success_that_cannot_be_recorded_is_retried_unrun() -> None
     runtime.journal.moved = [False]  # another delivery settled it meanwhile
     with pytest.raises(LeaseLost):
         run(tool)
+
+
+# -- a result the result backend cannot encode ------------------------------------------
+
+#: A result backend that stores with JSON (Celery's cache backend, in memory).
+JSON_BACKEND = app_with(result_backend="cache+memory://", result_serializer="json").backend
+
+
+def storing(tool: FakeTool) -> FakeTool:
+    """``tool`` with its result stored by Celery's backend (not ignored)."""
+    tool.ignore_result = False
+    tool.backend = JSON_BACKEND  # type: ignore[attr-defined]
+    return tool
+
+
+@pytest.mark.parametrize("effect", [READ, IDEMPOTENT, WRITE], ids=lambda effect: effect.value)
+def test_a_result_the_backend_cannot_encode_ends_the_call_once_as_having_run(
+        effect: ToolEffect) -> None:
+    intent = object()
+    runtime = FakeRuntime(journal=FakeJournal(verdicts=[started(intent_event=intent)]))
+    tool = storing(FakeTool(body({"a"}), effect, runtime=runtime))
+    with pytest.raises(DeadLettered) as ended:
+        run(tool)
+    assert tool.run.calls == [("k",)]  # type: ignore[attr-defined]
+    assert (ended.value.dead_letter_reason, ended.value.failure_class) == (
+        "not_retryable", "unknown")
+    shown = ended.value.error  # Celery's result: the package's EncodeError
+    assert isinstance(shown, ResultNotStorable) and isinstance(shown, EncodeError)
+    assert shown.result_type == "set"
+    assert "the result serializer 'json' cannot encode a set: EncodeError: Object of type " \
+           "set is not JSON serializable" in str(shown)
+    letter = letter_of(ended.value)
+    assert (letter.exception_type, letter.body_completed, letter.attempts) == (
+        "ResultNotStorable", effect.is_write, 1)
+    if effect.is_write:
+        # Recorded as having run: dead-lettering from the owner's running attempt,
+        # never a success, never interrupted; the intent's global copy goes alone.
+        (move,) = runtime.journal.moves
+        assert (move["new_state"], move["allowed"], move["fields"]["body_completed"]) == (
+            JournalState.DEAD_LETTERING, states.DEAD_LETTER_FROM, "1")
+        assert move["token"] == runtime.journal.begins[0]["token"]
+        assert move["event"].status == "result_not_stored"
+        assert runtime.audit.copies == [intent]
+    else:
+        assert runtime.journal.moves == []
+        assert runtime.audit.phases() == [("outcome", "result_not_stored")]
+
+
+def test_a_result_that_can_be_encoded_or_is_not_stored_succeeds() -> None:
+    assert run(storing(FakeTool(body(["a"]), WRITE))) == ["a"]
+    assert run(FakeTool(body({"a"}), WRITE)) == {"a"}  # ignore_result: nothing to encode
+    interactive = storing(FakeTool(body({"a"}), WRITE))
+    assert run(interactive, req=request(interactive=True)) == {"a"}  # answers its caller
+
+
+def test_a_reconciled_result_the_backend_cannot_encode_is_a_dead_letter_of_a_write_that_ran(
+) -> None:
+    runtime = FakeRuntime(journal=FakeJournal(verdicts=[verdict(Verdict.INTERRUPTED)]))
+    tool = storing(FakeTool(body(), WRITE, runtime=runtime,
+                            reconcile=lambda key="k": Reconciliation.applied({"ch-1"})))
+    with pytest.raises(DeadLettered) as ended:
+        run(tool)
+    assert tool.run.calls == []  # type: ignore[attr-defined]
+    assert "was reconciled as applied, but its result cannot be stored" in str(
+        ended.value.error)
+    assert letter_of(ended.value).body_completed
+    (move,) = runtime.journal.moves  # no success recorded: a dead letter, unowned
+    assert (move["new_state"], move["allowed"], move["token"]) == (
+        JournalState.DEAD_LETTERING, states.DEAD_LETTER_UNOWNED_FROM, "")
 
 
 def test_a_dead_letter_begun_earlier_is_finished_with_its_recorded_reason() -> None:

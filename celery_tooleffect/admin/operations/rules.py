@@ -75,10 +75,12 @@ def replay_refusal(
                 "the write ran, and it is not replayed"
             )
     if letter.body_completed and not force:
+        lost = ("its result could not be stored" if letter.exception_type == "ResultNotStorable"
+                else "its outcome could not be recorded")
         return (
-            f"the write already ran: {label} completed its body, but its outcome could not "
-            "be recorded (AuditPersistenceFailed). Replaying it runs the write a second "
-            f"time. {words['only']}"
+            f"the write already ran: {label} completed its body, but {lost} "
+            f"({letter.exception_type or 'AuditPersistenceFailed'}). Replaying it runs the "
+            f"write a second time. {words['only']}"
         )
     if effect is ToolEffect.NON_IDEMPOTENT_WRITE and not force:
         return (
