@@ -76,6 +76,8 @@ app.conf.update(
         # AMQP heartbeats (seconds): how soon RabbitMQ notices a silent worker.
         broker_heartbeat=float(os.environ.get("TE_BROKER_HEARTBEAT") or 120),
         worker_hijack_root_logger=True,
+        # TE_VOLATILE=0: refuse a store that can lose what it acknowledged.
+        tooleffect_allow_volatile_store=os.environ.get("TE_VOLATILE", "1") == "1",
     )
 )
 app.conf.update(rabbitmq_queues(os.environ.get("TE_QUEUE_TYPE") or "classic",
