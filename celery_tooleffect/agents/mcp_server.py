@@ -21,7 +21,8 @@ A call's identity (``docs/identity.md``) comes from the request's ``_meta``:
 
 Over streamable HTTP the server asks every request for ``Authorization:
 Bearer <tooleffect_mcp_token>``; only on a loopback address may it run
-without a token.
+without a token. Whatever the address, and with a token too, the SDK's Host
+and Origin checks are on (:func:`transport_security`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import mcp_types as types
 from mcp.server import Server, ServerRequestContext
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 
 from ..errors import ConfigurationError
+from ..settings import settings_for
 from .calls import STATUS_TOOL, CallReport, ToolCaller
 from .schema import ToolSpec
 
@@ -171,15 +174,25 @@ class ToolServer:
             await self.server.run(read_stream, write_stream,
                                   self.server.create_initialization_options())
 
-    def http_app(self, *, host: str, token: str | None, path: str = "/mcp") -> ASGIApp:
-        """The streamable HTTP app: the SDK's (DNS-rebinding protection on a
-        loopback host), behind a bearer-token check. Without ``token`` only a
+    def http_app(self, *, host: str, token: str | None, path: str = "/mcp",
+                 allowed_hosts: Iterable[str] | None = None,
+                 allowed_origins: Iterable[str] | None = None) -> ASGIApp:
+        """The streamable HTTP app: the SDK's, with its Host and Origin checks
+        on whatever ``host`` is (:func:`transport_security`), behind a
+        bearer-token check. ``allowed_hosts`` and ``allowed_origins`` are what
+        a deployment trusts besides this machine's names (default: the
+        ``tooleffect_mcp_allowed_*`` settings). Without ``token`` only a
         loopback ``host`` is served (``ConfigurationError`` otherwise)."""
         if not token and not is_loopback(host):
             raise ConfigurationError(
                 f"the MCP server listens on {host}, beyond this machine: set "
                 "tooleffect_mcp_token (or --token-env) so that clients must present it")
-        app = self.server.streamable_http_app(streamable_http_path=path, host=host)
+        settings = settings_for(self.app)
+        security = transport_security(
+            host, settings.mcp_allowed_hosts if allowed_hosts is None else allowed_hosts,
+            settings.mcp_allowed_origins if allowed_origins is None else allowed_origins)
+        app = self.server.streamable_http_app(streamable_http_path=path, host=host,
+                                              transport_security=security)
         return BearerToken(app, token) if token else app
 
     async def serve_http(self, *, host: str, port: int, token: str | None,
@@ -226,6 +239,56 @@ class BearerToken:
         await self.app(scope, receive, send)
 
 
+#: The names by which a client on this machine reaches a server on it.
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+
+
+def transport_security(host: str, hosts: Iterable[str] = (),
+                       origins: Iterable[str] = ()) -> TransportSecuritySettings:
+    """The SDK's DNS-rebinding protection for a server listening on ``host``,
+    always on: it accepts a ``Host`` of :data:`LOOPBACK_NAMES`, of ``host`` as
+    spelt and in its canonical form (not a wildcard such as ``0.0.0.0``), and
+    of ``hosts``, each with any port; an ``Origin`` of ``http://`` those
+    names, and ``origins``. Anything else is answered 421 (Host) or 403
+    (Origin) before the request reaches the server. The SDK turns its check
+    on by itself only for ``127.0.0.1``, ``localhost`` and ``::1``: a browser
+    page of a rebound name must not reach ``127.0.0.2`` or a server that
+    trusts a token alone either."""
+    names = list(LOOPBACK_NAMES)
+    bare = host.strip("[]")
+    try:
+        address = ipaddress.ip_address(bare)
+    except ValueError:
+        names.append(host)
+    else:
+        if not address.is_unspecified:
+            if address.version == 6:
+                names += [f"[{bare}]", f"[{address.compressed}]"]
+            else:
+                names.append(address.compressed)
+    trusted = [*names, *hosts]
+    allowed_origins = [f"http://{name}" for name in names]
+    allowed_origins += [*origins]
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=_any_port(trusted), allowed_origins=_any_port(allowed_origins))
+
+
+def _any_port(names: Iterable[str]) -> list[str]:
+    """Each name as given and, unless it names one already, with any port."""
+    allowed: list[str] = []
+    for name in dict.fromkeys(names):
+        allowed.append(name)
+        if not name.endswith(":*") and not _has_port(name):
+            allowed.append(f"{name}:*")
+    return allowed
+
+
+def _has_port(name: str) -> bool:
+    tail = name.rsplit("]", 1)[-1].split("//", 1)[-1]
+    return ":" in tail and tail.rsplit(":", 1)[1].isdigit()
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is this machine only (127.0.0.0/8, ::1, localhost)."""
     if host == "localhost":
@@ -247,4 +310,4 @@ def _error_text(text: str) -> types.CallToolResult:
                                 is_error=True)
 
 
-__all__ = ["IDEMPOTENCY_KEY", "RUN_ID_KEY", "BearerToken", "ToolServer"]
+__all__ = ["IDEMPOTENCY_KEY", "RUN_ID_KEY", "BearerToken", "ToolServer", "transport_security"]

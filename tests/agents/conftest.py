@@ -90,7 +90,7 @@ class Agents:
         wait_for(lambda: server.poll() is not None or answers(host, port), timeout=30,
                  what="the MCP server to listen")
         assert server.poll() is None, (self.tmp_path / f"mcp-http-{port}.log").read_text()
-        return f"http://{host}:{port}/mcp"
+        return url_of(host, port)
 
     @asynccontextmanager
     async def http(self, url: str, token: str | None = "s3cret") -> AsyncIterator[ClientSession]:
@@ -109,6 +109,16 @@ class Agents:
                 server.wait(10)
         for worker in self.workers:
             worker.kill()
+
+
+def url_of(host: str, port: int) -> str:
+    """The URL a client on this machine uses for a server listening on ``host``
+    (a wildcard address through 127.0.0.1)."""
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/mcp"
 
 
 def free_port() -> int:

@@ -50,6 +50,10 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
         tooleffect_agent_result_wait=60.0,
         tooleffect_agent_max_argument_bytes=4096,
     ))
+    if os.environ.get("TE_MCP_TRUST"):  # "host|origin": what a deployment trusts
+        host, origin = os.environ["TE_MCP_TRUST"].split("|")
+        app.conf.update(tooleffect_mcp_allowed_hosts=[host],
+                        tooleffect_mcp_allowed_origins=[origin])
     counters = redis.Redis.from_url(REDIS_URL)
 
     def count(key: str) -> int:
