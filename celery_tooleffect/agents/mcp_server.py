@@ -9,7 +9,8 @@ message as text, the report as ``structuredContent``, ``isError`` for every
 failed ending (a failure, a dead letter, a rejection, arguments that do not
 fit). Progress notifications follow the call while it is queued, running or
 parked. One more tool, ``tooleffect_call_status``, answers how an earlier call
-stands. Operator actions (replay, purge, approve) are never tools.
+of a tool served here stands ("unknown" for any other task id). Operator
+actions (replay, purge, approve) are never tools.
 
 A call's identity (``docs/identity.md``) comes from the request's ``_meta``:
 
@@ -136,8 +137,8 @@ class ToolServer:
             task_id = arguments.get("task_id")
             if not isinstance(task_id, str) or not task_id:
                 return _error_text(f"{STATUS_TOOL}: give the task_id a call answered with")
-            report = await self.caller.status(task_id, run_id=str(arguments.get("run_id")
-                                                                  or run_id))
+            report = await self.caller.status(
+                task_id, run_id=str(arguments.get("run_id") or run_id), tools=self.specs)
             return _result(report, is_error=False)
         spec = self.specs.get(params.name)
         if spec is None:

@@ -370,3 +370,81 @@ def test_a_client_of_the_newer_protocol_reads_and_writes_once_by_its_key(
         assert answer.structured_content is not None
         assert answer.structured_content["task_id"] == call_task_id("newer-1", "run-newer")
     assert agents.runs("newer") == 1
+
+
+def test_the_status_tool_answers_only_for_served_tools_and_names_the_tool(
+        agents: Agents) -> None:
+    """A plain Celery task, a tool left out by ``--tool`` and an id nobody
+    published all get the same "unknown"; each served call's answer names its
+    tool in every state, though results are not extended (no ``result.name``)."""
+    from celery_tooleffect import Approvals
+
+    agents.worker()
+    app = build(agents.prefix)
+    assert not app.conf.result_extended
+    plain = app.tasks["plain.echo"].apply_async(("secret",))
+    excluded = app.tasks["shop.quote"].apply_async(kwargs={"sku": "hidden"},
+                                                   call_id="q-1", run_id="run-x")
+    # A served tool published without a chosen id: its dead letter names it.
+    undeclared = app.tasks["shop.charge"].apply_async(kwargs={"key": "c-d", "cents": 500_000})
+    assert plain.get(timeout=30) == "plain secret"
+    assert excluded.get(timeout=30) == {"sku": "hidden", "cents": 1999}
+    served = ("--tool", "shop.search", "--tool", "shop.charge", "--tool", "shop.refund",
+              "--tool", "shop.send_invoice")
+
+    async def ask(session: Any, task_id: str, want: str) -> types.CallToolResult:
+        with anyio.fail_after(30):
+            while True:
+                answer = await session.call_tool(STATUS_TOOL, {"task_id": task_id})
+                assert answer.structured_content is not None
+                if answer.structured_content["status"] == want:
+                    return answer
+                await anyio.sleep(0.1)
+
+    async def scenario() -> tuple[list[types.CallToolResult], dict[str, types.CallToolResult]]:
+        async with agents.stdio(*served) as session:
+            unknown = [await session.call_tool(STATUS_TOOL, {"task_id": task_id})
+                       for task_id in (plain.id, excluded.id, "no-such-call")]
+            read = await session.call_tool("shop.search", {"query": "usb"})
+            failed = await session.call_tool("shop.charge", {"key": "c-1", "cents": 500_000})
+            parked = await session.call_tool("shop.refund", {"key": "r-x", "cents": 5})
+            answers: dict[str, types.CallToolResult] = {}
+            for name, call, want in (("shop.search", read, "succeeded"),
+                                     ("shop.charge", failed, "dead_lettered")):
+                assert call.structured_content is not None
+                answers[name] = await ask(session, call.structured_content["task_id"], want)
+            answers["undeclared"] = await ask(session, undeclared.id, "dead_lettered")
+            assert parked.structured_content is not None
+            refund_id = parked.structured_content["task_id"]
+            answers["parked"] = await ask(session, refund_id, "awaiting_approval")
+            await anyio.to_thread.run_sync(
+                lambda: Approvals(app).reject(refund_id, by="test", reason="no refunds"))
+            answers["shop.refund"] = await ask(session, refund_id, "rejected")
+            revoked = await anyio.to_thread.run_sync(lambda: app.tasks[
+                "shop.send_invoice"].apply_async(kwargs={"key": "gone", "cents": 1},
+                                                 call_id="late-1", run_id="run-x", expires=-1))
+            answers["shop.send_invoice"] = await ask(session, revoked.id, "revoked")
+            return unknown, answers
+
+    unknown, answers = anyio.run(scenario)
+    said = []
+    for answer, task_id in zip(unknown, (plain.id, excluded.id, "no-such-call"), strict=True):
+        assert not answer.is_error
+        content = dict(answer.structured_content or {})
+        assert content.pop("task_id") == task_id
+        said.append((content.pop("message").replace(task_id, "<id>"), content))
+        assert "secret" not in text(answer) and "hidden" not in text(answer)
+    assert said[0] == said[1] == said[2]
+    assert said[0][1] == {"status": "unknown", "tool": ""}
+    assert said[0][0].startswith("No call of the tools served here has task_id <id>")
+    named = {"shop.search": "shop.search", "shop.charge": "shop.charge",
+             "undeclared": "shop.charge", "parked": "shop.refund", "shop.refund": "shop.refund",
+             "shop.send_invoice": "shop.send_invoice"}
+    for key, tool in named.items():
+        content = answers[key].structured_content
+        assert content is not None
+        assert content["tool"] == tool, (key, content)
+        assert text(answers[key]).startswith(tool) or key == "shop.search", text(answers[key])
+    assert text(answers["shop.refund"]).startswith("shop.refund was rejected: a person did not")
+    assert text(answers["shop.send_invoice"]).startswith("shop.send_invoice was cancelled")
+    assert agents.runs("r-x") == 0 and agents.runs("gone") == 0

@@ -96,6 +96,11 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
         count(key)
         return f"refunded {cents} ({reason})"
 
+    @app.task(name="plain.echo", shared=False)
+    def echo(text: str) -> str:
+        """A plain Celery task, no tool: no agent may read its result."""
+        return f"plain {text}"
+
     if os.environ.get("TE_UNTYPED_TOOL"):
         @app.task(base=ToolTask, name="shop.untyped", shared=False)
         def untyped(key):  # type: ignore[no-untyped-def]  # what the server refuses
