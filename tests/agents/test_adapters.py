@@ -277,3 +277,22 @@ def test_each_run_without_a_run_id_is_a_run_of_its_own(agents: Agents, framework
         assert len(said) == (1 if framework == "openai-agents" else 2), said
         assert {call_id for call_id, _ in said} == {"call_0"}
         assert {text.strip('"') for _, text in said} == {invoice}, said
+
+
+def test_a_result_of_5_mb_reaches_the_model_cut_with_a_note(
+        agents: Agents, framework: str) -> None:
+    agents.worker()
+    app = build(agents.prefix)
+    run_id = a_run_id(framework)
+    seen = anyio.run(DRIVERS[framework], app,
+                     [("shop_export", {"chars": 2_500_000}, "call_big")], run_id)
+
+    said, is_error = seen["call_big"]
+    assert not is_error
+    task_id = call_task_id("call_big", run_id)
+    shown, note = said.split("\n[cut: ", 1)
+    assert shown == "\u00e9" * (32 * 1024 // 2)
+    assert note.startswith("the result is 5000000 bytes of text; the first 32768 are shown")
+    assert f"task_id {task_id}" in note
+    assert len(said.encode()) < 33 * 1024
+    assert len(app.AsyncResult(task_id).get(timeout=10)) == 2_500_000

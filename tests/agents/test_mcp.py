@@ -38,8 +38,8 @@ def test_tools_list_names_schemas_and_annotations_per_effect(agents: Agents) -> 
             return (await session.list_tools()).tools
 
     tools = {tool.name: tool for tool in anyio.run(scenario)}
-    assert sorted(tools) == ["shop.charge", "shop.quote", "shop.refund", "shop.search",
-                             "shop.send_invoice", STATUS_TOOL]
+    assert sorted(tools) == ["shop.charge", "shop.export", "shop.quote", "shop.refund",
+                             "shop.search", "shop.send_invoice", STATUS_TOOL]
     search, invoice, refund = tools["shop.search"], tools["shop.send_invoice"], tools["shop.refund"]
     assert search.input_schema == {
         "type": "object", "additionalProperties": False, "required": ["query"],
@@ -448,3 +448,40 @@ def test_the_status_tool_answers_only_for_served_tools_and_names_the_tool(
     assert text(answers["shop.refund"]).startswith("shop.refund was rejected: a person did not")
     assert text(answers["shop.send_invoice"]).startswith("shop.send_invoice was cancelled")
     assert agents.runs("r-x") == 0 and agents.runs("gone") == 0
+
+
+def test_a_result_of_5_mb_reaches_the_client_cut_with_a_note(agents: Agents) -> None:
+    """The model gets the first 32 KiB (tooleffect_agent_max_result_bytes) and
+    a note naming the size and the task id that keeps the whole; the
+    structured content leaves the result out, names its size, and still fits
+    the tool's output schema (the SDK's client validates it)."""
+    agents.worker()
+    chars = 2_500_000  # 5 000 000 bytes of UTF-8, never cut inside a character
+
+    async def scenario() -> tuple[types.CallToolResult, types.CallToolResult]:
+        async with agents.stdio() as session:
+            await session.list_tools()  # the client then checks structuredContent
+            answer = await session.call_tool("shop.export", {"chars": chars})
+            assert answer.structured_content is not None
+            status = await session.call_tool(
+                STATUS_TOOL, {"task_id": answer.structured_content["task_id"]})
+            return answer, status
+
+    answer, status = anyio.run(scenario)
+    for result in (answer, status):
+        assert not result.is_error
+        content = result.structured_content
+        assert content is not None
+        task_id = content["task_id"]
+        assert (content["status"], content["result_truncated"], content["result_bytes"]) == (
+            "succeeded", True, 5_000_000)
+        assert "result" not in content
+        said = text(result)
+        assert content["message"] == said
+        shown, note = said.split("\n[cut: ", 1)
+        assert shown == "\u00e9" * (32 * 1024 // 2)
+        assert note.startswith("the result is 5000000 bytes of text; the first 32768 are "
+                               "shown and 4967232 cut (tooleffect_agent_max_result_bytes).")
+        assert f"task_id {task_id}" in note and f"AsyncResult('{task_id}').result" in note
+        assert len(said.encode()) < 33 * 1024
+    assert len(build(agents.prefix).AsyncResult(task_id).get(timeout=10)) == chars

@@ -96,6 +96,11 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
         count(key)
         return f"refunded {cents} ({reason})"
 
+    @app.task(base=ToolTask, name="shop.export", shared=False)
+    def export(chars: int) -> str:
+        """Export the catalog: ``chars`` characters of two UTF-8 bytes each."""
+        return "\u00e9" * chars
+
     @app.task(name="plain.echo", shared=False)
     def echo(text: str) -> str:
         """A plain Celery task, no tool: no agent may read its result."""
