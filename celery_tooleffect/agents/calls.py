@@ -257,9 +257,12 @@ class ToolCaller:
     # -- calling --------------------------------------------------------------
 
     async def call(self, tool: ToolTask | str, arguments: Any, *, call_id: str | None = None,
-                   run_id: str | None = None, progress: Progress | None = None) -> CallReport:
+                   run_id: str | None = None, progress: Progress | None = None,
+                   published: Callable[[str], None] | None = None) -> CallReport:
         """Call ``tool`` with an agent's ``arguments`` (a mapping or its JSON)
-        and wait for it, reporting each change of status to ``progress``.
+        and wait for it, reporting each change of status to ``progress``;
+        ``published`` is given the task id as soon as the call is published
+        (also when the caller was cancelled while it was being published).
         ``call_id`` (the agent's tool-call id or an idempotency key) and
         ``run_id`` make the call's task id: the same pair is the same call.
         Invalid arguments, an id that is another call's, or a broker that
@@ -273,7 +276,10 @@ class ToolCaller:
                               error_type="InvalidToolArguments", error=str(exc),
                               failure_class="client_error", invalid=tuple(exc.errors))
         try:
+            # Not abandoned on cancel: a message that left is known by its id.
             task_id = await anyio.to_thread.run_sync(self.publish, name, kwargs, call_id, run_id)
+            if published is not None:
+                published(task_id)
         except (CallIdConflict, InvalidCallId) as exc:
             return CallReport(getattr(exc, "task_id", "") or "", name, CallStatus.REFUSED,
                               run_id or "", call_id or "", error_type=type(exc).__name__,

@@ -44,6 +44,7 @@ from mcp.shared.exceptions import MCPError
 
 from ..errors import ConfigurationError
 from ..settings import settings_for
+from ..states import CallStatus
 from .calls import STATUS_TOOL, CallReport, ToolCaller
 from .schema import ToolSpec
 
@@ -56,6 +57,11 @@ logger = logging.getLogger(__name__)
 #: ``_meta`` keys of a ``tools/call`` request that name the call and its run.
 IDEMPOTENCY_KEY = "idempotencyKey"
 RUN_ID_KEY = "runId"
+
+#: The logger name of the notification that tells a cancelled call's client
+#: what became of the call, and how long telling it may take.
+CANCEL_LOGGER = "celery_tooleffect.cancelled"
+CANCEL_NOTICE_WAIT = 10.0
 
 _STATUS_INPUT = {
     "type": "object",
@@ -153,10 +159,43 @@ class ToolServer:
             await ctx.session.report_progress(steps, None, f"{spec.name}: {report.status.value}"
                                               f" (task_id {report.task_id})")
 
-        report = await self.caller.call(
-            spec.name, arguments, call_id=None if call_id is None else str(call_id),
-            run_id=run_id, progress=progress)
+        published: list[str] = []
+        try:
+            report = await self.caller.call(
+                spec.name, arguments, call_id=None if call_id is None else str(call_id),
+                run_id=run_id, progress=progress, published=published.append)
+        except anyio.get_cancelled_exc_class():
+            # notifications/cancelled: the protocol lets the server answer the
+            # request with nothing, so the client is told before it ends.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_NOTICE_WAIT):
+                await self._tell_cancelled(ctx, spec.name, published, run_id, steps + 1)
+            raise
         return _result(report, is_error=report.is_error)
+
+    async def _tell_cancelled(self, ctx: ServerRequestContext[Any], tool: str,
+                              published: list[str], run_id: str, step: int) -> None:
+        """Tell the client of a cancelled ``tools/call`` what became of the
+        call: a log notification (``notifications/message``, level
+        ``warning``, logger :data:`CANCEL_LOGGER`) whose data names the task
+        id, how the call stood and that the status tool tells how it ends,
+        and the same text as a progress notification when the client asked
+        for progress."""
+        try:
+            if not published:
+                notice: dict[str, Any] = {
+                    "event": "cancelled", "tool": tool, "task_id": None, "status": None,
+                    "body_started": False,
+                    "message": f"{tool}: cancelled before it was published; nothing of it "
+                               "was sent, and nothing of it runs."}
+            else:
+                report = await anyio.to_thread.run_sync(
+                    self.caller.observe, published[0], tool, run_id, "", 0.0)
+                notice = cancel_notice(report)
+            await ctx.session.send_log_message(
+                "warning", notice, logger=CANCEL_LOGGER, related_request_id=ctx.request_id)
+            await ctx.session.report_progress(step, None, str(notice["message"]))
+        except Exception:  # the client may be gone too: the call is in Celery's hands
+            logger.debug("could not tell a cancelled call's client", exc_info=True)
 
     def session_run_id(self, ctx: ServerRequestContext[Any]) -> str:
         """The run of a request without ``_meta.runId``: its MCP session over
@@ -290,6 +329,29 @@ def _has_port(name: str) -> bool:
     return ":" in tail and tail.rsplit(":", 1)[1].isdigit()
 
 
+def cancel_notice(report: CallReport) -> dict[str, Any]:
+    """What the client of a cancelled call is told, from how it stands: a
+    cancelled request stops the waiting, never the call."""
+    tool, task, status = report.tool, report.task_id, report.status
+    started: bool | None
+    if status is CallStatus.QUEUED:
+        stood, started = ("it was queued: no worker had reported it started, so its "
+                          "body had not started as far as the package knows; it runs when a "
+                          "worker takes it"), False
+    elif status is CallStatus.AWAITING_APPROVAL:
+        stood, started = ("it was waiting for a person's approval: nothing of it had run; "
+                          "it runs if approved"), False
+    elif status is CallStatus.RUNNING:
+        stood, started = "it was running: its body had started and goes on", True
+    else:
+        stood, started = f"it had already ended ({status.value})", None
+    return {"event": "cancelled", "tool": tool, "task_id": task, "status": status.value,
+            "body_started": started,
+            "message": (f"{tool} (task_id {task}): the client cancelled its wait, not the "
+                        f"call; {stood}. Ask {STATUS_TOOL} with task_id {task} how it ended; "
+                        "do not call it again.")}
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is this machine only (127.0.0.0/8, ::1, localhost)."""
     if host == "localhost":
@@ -311,4 +373,5 @@ def _error_text(text: str) -> types.CallToolResult:
                                 is_error=True)
 
 
-__all__ = ["IDEMPOTENCY_KEY", "RUN_ID_KEY", "BearerToken", "ToolServer", "transport_security"]
+__all__ = ["CANCEL_LOGGER", "IDEMPOTENCY_KEY", "RUN_ID_KEY", "BearerToken", "ToolServer",
+           "cancel_notice", "transport_security"]

@@ -12,6 +12,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -60,16 +61,17 @@ class Agents:
         return [sys.executable, "-m", "celery", "-A", APP, "tooleffect", *arguments]
 
     @asynccontextmanager
-    async def stdio(self, *arguments: str) -> AsyncIterator[ClientSession]:
-        """A client session with ``tooleffect mcp`` over stdio (a subprocess)."""
+    async def stdio(self, *arguments: str, **session: Any) -> AsyncIterator[ClientSession]:
+        """A client session with ``tooleffect mcp`` over stdio (a subprocess);
+        ``session``: options of the ``ClientSession`` (``logging_callback``)."""
         command = self.command("mcp", *arguments)
         params = StdioServerParameters(command=command[0], args=command[1:],
                                        env={**os.environ, **self.env}, cwd=str(ROOT))
         with (self.tmp_path / "mcp-stderr.log").open("a") as errors:
             async with stdio_client(params, errlog=errors) as (read, write), \
-                    ClientSession(read, write) as session:
-                await session.initialize()
-                yield session
+                    ClientSession(read, write, **session) as client:
+                await client.initialize()
+                yield client
 
     def http_server(self, *arguments: str, token: str | None = "s3cret",
                     host: str = "127.0.0.1") -> str:

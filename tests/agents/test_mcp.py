@@ -11,11 +11,13 @@ import anyio
 import httpx2
 import mcp_types as types
 import pytest
-from mcp import MCPError
+from mcp import ClientSession, MCPError
+from mcp.client.streamable_http import streamable_http_client
 
 from celery_tooleffect import DeadLetters, call_task_id
 from celery_tooleffect.agents import STATUS_TOOL
-from tests.agents.conftest import ROOT, Agents
+from celery_tooleffect.store.keys import Keys
+from tests.agents.conftest import ROOT, Agents, Poll
 from tests.apps.agent_tools_app import build
 
 
@@ -485,3 +487,87 @@ def test_a_result_of_5_mb_reaches_the_client_cut_with_a_note(agents: Agents) -> 
         assert f"task_id {task_id}" in note and f"AsyncResult('{task_id}').result" in note
         assert len(said.encode()) < 33 * 1024
     assert len(build(agents.prefix).AsyncResult(task_id).get(timeout=10)) == chars
+
+
+def test_a_cancelled_call_tells_its_task_id_and_whether_its_body_started(
+        agents: Agents) -> None:
+    """The client cancels (notifications/cancelled, sent by the SDK's client
+    when the caller stops waiting) without a progress token: the protocol
+    answers a cancelled request with nothing, so the server's warning log
+    notification names the task id, whether the body had started, and the
+    status tool, which then tells how the call ended (it ran once)."""
+    from celery_tooleffect.agents.mcp_server import CANCEL_LOGGER
+
+    notices: list[dict[str, Any]] = []
+
+    async def on_log(params: types.LoggingMessageNotificationParams) -> None:
+        if params.logger == CANCEL_LOGGER and isinstance(params.data, dict):
+            notices.append(params.data)
+
+    async def cancel(session: ClientSession, key: str, started: Poll) -> None:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as group:
+                group.start_soon(lambda: session.call_tool(
+                    "shop.send_invoice", {"key": key, "cents": 3},
+                    meta={"idempotencyKey": key, "runId": "run-cx"}))
+                await until(started, what=f"{key} to be published or to run")
+                scope.cancel()
+        await until(lambda: any(n["task_id"] == call_task_id(key, "run-cx") for n in notices),
+                    what="the cancelled call's notice")
+
+    # No worker yet: the call is published and stays queued.
+    claims = Keys(f"{agents.prefix}te:").call_claim(call_task_id("cx-queued", "run-cx"))
+
+    async def over_stdio() -> None:
+        async with agents.stdio(logging_callback=on_log) as session:
+            await cancel(session, "cx-queued", lambda: agents.redis.exists(claims))
+
+    anyio.run(over_stdio)
+    assert agents.runs("cx-queued") == 0
+
+    agents.worker()
+    agents.hold("cx-run")
+    url = agents.http_server()
+
+    async def over_http() -> None:
+        headers = {"Authorization": "Bearer s3cret"}
+        async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=120)) \
+                as client, streamable_http_client(url, http_client=client) as (read, write), \
+                ClientSession(read, write, logging_callback=on_log) as session:
+            await session.initialize()
+            await cancel(session, "cx-run", lambda: agents.runs("cx-run") == 1)
+
+    anyio.run(over_http)
+    queued, running = notices
+    for notice, key in ((running, "cx-run"), (queued, "cx-queued")):
+        task_id = call_task_id(key, "run-cx")
+        assert (notice["event"], notice["tool"], notice["task_id"]) == (
+            "cancelled", "shop.send_invoice", task_id)
+        assert f"Ask {STATUS_TOOL} with task_id {task_id} how it ended" in notice["message"]
+    assert (running["status"], running["body_started"]) == ("running", True)
+    assert "it was running: its body had started" in running["message"]
+    assert (queued["status"], queued["body_started"]) == ("queued", False)
+    assert "its body had not started" in queued["message"]
+
+    # The calls go on: the status tool tells how each ended.
+    agents.release("cx-run")
+
+    async def ask() -> list[types.CallToolResult]:
+        answers = []
+        async with agents.stdio() as session:
+            for key in ("cx-run", "cx-queued"):
+                with anyio.fail_after(30):
+                    while True:
+                        answer = await session.call_tool(
+                            STATUS_TOOL, {"task_id": call_task_id(key, "run-cx"),
+                                          "run_id": "run-cx"})
+                        assert answer.structured_content is not None
+                        if answer.structured_content["status"] == "succeeded":
+                            answers.append(answer)
+                            break
+                        await anyio.sleep(0.1)
+        return answers
+
+    ran, later = anyio.run(ask)
+    assert text(ran) == "INV-cx-run-1" and text(later) == "INV-cx-queued-1"
+    assert agents.runs("cx-run") == 1 and agents.runs("cx-queued") == 1
