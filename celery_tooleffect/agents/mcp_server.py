@@ -18,7 +18,9 @@ A call's identity (``docs/identity.md``) comes from the request's ``_meta``:
   is the same call, answered with its first outcome, never run twice. Without
   one, every request is a new call.
 - ``runId``: the run; else the MCP session (``Mcp-Session-Id`` over stateful
-  HTTP), else the server process's own id (stdio: one session per process).
+  HTTP), else the server process's own id (stdio: one client, one session
+  per process). An HTTP request without a session names no run: with an
+  ``idempotencyKey`` it is refused unless it sends ``runId``.
 
 Over streamable HTTP the server asks every request for ``Authorization:
 Bearer <tooleffect_mcp_token>``; only on a loopback address may it run
@@ -137,20 +139,31 @@ class ToolServer:
     async def _call_tool(self, ctx: ServerRequestContext[Any],
                          params: types.CallToolRequestParams) -> types.CallToolResult:
         meta: dict[str, Any] = dict(ctx.meta or {})
-        run_id = str(meta.get(RUN_ID_KEY) or self.session_run_id(ctx))
+        given_run = meta.get(RUN_ID_KEY) or self.session_run_id(ctx)
         arguments = params.arguments or {}
         if params.name == STATUS_TOOL:
             task_id = arguments.get("task_id")
             if not isinstance(task_id, str) or not task_id:
                 return _error_text(f"{STATUS_TOOL}: give the task_id a call answered with")
             report = await self.caller.status(
-                task_id, run_id=str(arguments.get("run_id") or run_id), tools=self.specs)
+                task_id, run_id=str(arguments.get("run_id") or given_run or ""),
+                tools=self.specs)
             return _result(report, is_error=False)
         spec = self.specs.get(params.name)
         if spec is None:
             # A JSON-RPC error, as the SDK answers a method it does not know.
             raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {params.name}")
         call_id = meta.get(IDEMPOTENCY_KEY)
+        if not given_run and call_id is not None:
+            refused = CallReport(
+                "", spec.name, CallStatus.REFUSED, call_id=str(call_id),
+                error_type="InvalidCallId", failure_class="client_error",
+                error=f"an {IDEMPOTENCY_KEY} needs a run, and this request has no session and "
+                      f"no _meta {RUN_ID_KEY}: send _meta {RUN_ID_KEY} (the conversation's id) "
+                      "with it. Nothing was published.")
+            return _result(refused, is_error=True)
+        # A request without a key is a call of its own: its run is its own too.
+        run_id = str(given_run or uuid.uuid4().hex)
         steps = 0
 
         async def progress(report: CallReport) -> None:
@@ -197,12 +210,16 @@ class ToolServer:
         except Exception:  # the client may be gone too: the call is in Celery's hands
             logger.debug("could not tell a cancelled call's client", exc_info=True)
 
-    def session_run_id(self, ctx: ServerRequestContext[Any]) -> str:
+    def session_run_id(self, ctx: ServerRequestContext[Any]) -> str | None:
         """The run of a request without ``_meta.runId``: its MCP session over
-        stateful HTTP, else this server process's."""
+        stateful HTTP; over stdio this server process's (it serves one client,
+        one session); None for an HTTP request without a session (stateless,
+        or the 2026-07-28 protocol), which names no run."""
         request = ctx.request
-        session = request.headers.get("mcp-session-id") if request is not None else None
-        return str(session or self.process_run_id)
+        if request is None:
+            return self.process_run_id
+        session = request.headers.get("mcp-session-id")
+        return str(session) if session else None
 
     # -- serving ----------------------------------------------------------------
 

@@ -571,3 +571,37 @@ def test_a_cancelled_call_tells_its_task_id_and_whether_its_body_started(
     ran, later = anyio.run(ask)
     assert text(ran) == "INV-cx-run-1" and text(later) == "INV-cx-queued-1"
     assert agents.runs("cx-run") == 1 and agents.runs("cx-queued") == 1
+
+
+def test_a_sessionless_http_request_with_a_key_and_no_run_is_refused(agents: Agents) -> None:
+    """``mcp.Client`` over HTTP negotiates 2026-07-28: no session, so no run
+    but the one it sends. A key without ``runId`` is refused (not bound to a
+    server-wide run that another client's ``call_0`` would share); with
+    ``runId`` it is one call; without a key each request is a call of its own."""
+    from mcp import Client
+
+    agents.worker()
+    url = agents.http_server(token=None)
+
+    async def scenario() -> tuple[str, list[types.CallToolResult]]:
+        async with Client(url) as client:
+            answers = [await client.call_tool("shop.send_invoice", {"key": "sl", "cents": 1},
+                                              meta={"idempotencyKey": "call_0"})]
+            for _ in range(2):
+                answers.append(await client.call_tool(
+                    "shop.send_invoice", {"key": "sl", "cents": 1},
+                    meta={"idempotencyKey": "call_0", "runId": "conv-1"}))
+            for _ in range(2):
+                answers.append(await client.call_tool("shop.send_invoice",
+                                                      {"key": "sl-free", "cents": 1}))
+            return str(client.protocol_version), answers
+
+    version, (refused, first, again, free_1, free_2) = anyio.run(scenario)
+    assert version == "2026-07-28"
+    assert refused.is_error and refused.structured_content is not None
+    assert refused.structured_content["status"] == "refused"
+    assert text(refused).startswith("shop.send_invoice was not called: an idempotencyKey "
+                                    "needs a run")
+    assert text(first) == text(again) == "INV-sl-1"
+    assert agents.runs("sl") == 1
+    assert {text(free_1), text(free_2)} == {"INV-sl-free-1", "INV-sl-free-2"}
