@@ -60,11 +60,15 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_atomic_fetch": True,
     # Agents (celery_tooleffect.agents): how long a call is waited for before
     # the agent is told it awaits approval / is still running, the largest
-    # arguments a call takes, and the MCP server's bearer token over HTTP.
+    # arguments a call takes, the largest result text the model receives, and
+    # the MCP server's bearer token and trusted Host / Origin values over HTTP.
     "tooleffect_agent_approval_wait": 30.0,
     "tooleffect_agent_result_wait": 300.0,
     "tooleffect_agent_max_argument_bytes": 256 * 1024,
+    "tooleffect_agent_max_result_bytes": 32 * 1024,
     "tooleffect_mcp_token": None,
+    "tooleffect_mcp_allowed_hosts": (),
+    "tooleffect_mcp_allowed_origins": (),
 }
 
 
@@ -131,8 +135,16 @@ class Settings:
     agent_result_wait: float = 300.0
     #: The largest arguments of an agent's call, as JSON bytes.
     agent_max_argument_bytes: int = 256 * 1024
+    #: The largest result text (UTF-8 bytes) an agent's model receives; a
+    #: longer one is cut with a note (``tooleffect_agent_max_result_bytes``).
+    agent_max_result_bytes: int = 32 * 1024
     #: The bearer token the MCP server asks of HTTP clients (None: none set).
     mcp_token: str | None = field(default=None, repr=False)
+    #: The ``Host`` and ``Origin`` values the MCP server's HTTP transport
+    #: accepts besides this machine's own (``tooleffect_mcp_allowed_hosts``,
+    #: ``tooleffect_mcp_allowed_origins``; ``name:*`` for any port).
+    mcp_allowed_hosts: tuple[str, ...] = ()
+    mcp_allowed_origins: tuple[str, ...] = ()
 
     @property
     def store_endpoint(self) -> RedisEndpoint:
@@ -286,9 +298,30 @@ def _read(app: Celery) -> Settings:
         agent_approval_wait=float(get("tooleffect_agent_approval_wait")),
         agent_result_wait=float(get("tooleffect_agent_result_wait")),
         agent_max_argument_bytes=int(get("tooleffect_agent_max_argument_bytes")),
+        agent_max_result_bytes=_positive(get, "tooleffect_agent_max_result_bytes"),
         mcp_token=(str(conf["tooleffect_mcp_token"]) if conf.get("tooleffect_mcp_token")
                    else None),
+        mcp_allowed_hosts=_names(get, "tooleffect_mcp_allowed_hosts"),
+        mcp_allowed_origins=_names(get, "tooleffect_mcp_allowed_origins"),
     )
+
+
+def _positive(get: Any, key: str) -> int:
+    """Setting ``key``: a whole number, 1 or more."""
+    value = get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{key} must be a whole number, 1 or more, not {value!r}")
+    return value
+
+
+def _names(get: Any, key: str) -> tuple[str, ...]:
+    """Setting ``key``: a list of non-empty strings (a single string is one)."""
+    value = get(key)
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple, set, frozenset)) or not all(
+            isinstance(name, str) and name.strip() for name in names):
+        raise ConfigurationError(f"{key} must be a list of names, not {value!r}")
+    return tuple(name.strip() for name in names)
 
 
 def _seconds(get: Any, key: str) -> float:

@@ -137,6 +137,9 @@ class CallStatus(Choice):
     #: Never published: its arguments do not fit the tool, or its id is
     #: another call's (``CallIdConflict``).
     REFUSED = "refused"
+    #: No call of the tools asked about has this id (the status tool's answer
+    #: for an id of another task, or one nobody published, or expired).
+    UNKNOWN = "unknown"
 
     @property
     def ended(self) -> bool:

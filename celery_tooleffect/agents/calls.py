@@ -27,9 +27,11 @@ import fnmatch
 import json
 import threading
 import time
+import uuid
 import weakref
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Collection, Coroutine, Iterable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -65,6 +67,10 @@ STATUS_TOOL = "tooleffect_call_status"
 #: "What a failed call's result holds").
 LETTER_WAIT = 5.0
 
+#: The largest result text the model receives by default
+#: (``tooleffect_agent_max_result_bytes``), in UTF-8 bytes.
+MAX_RESULT_BYTES = 32 * 1024
+
 Progress = Callable[["CallReport"], Coroutine[Any, Any, None]]
 
 
@@ -91,6 +97,22 @@ class CallReport:
     body_completed: bool = False
     #: For invalid arguments: each field that does not fit, and why.
     invalid: tuple[dict[str, Any], ...] = field(default=())
+    #: The largest text the model is given (the result, or what happened);
+    #: a longer one is cut, with a note naming the task id that holds it whole.
+    max_result_bytes: int = field(default=MAX_RESULT_BYTES, compare=False, repr=False)
+
+    @cached_property
+    def result_text(self) -> str:
+        """The whole result as text (SUCCEEDED): a string as is, else JSON."""
+        if self.status is not CallStatus.SUCCEEDED:
+            return ""
+        return self.result if isinstance(self.result, str) else _json(self.result)
+
+    @property
+    def result_cut(self) -> bool:
+        """True when the result is longer than the model is given: it is then
+        told the first :attr:`max_result_bytes` and a note, never the whole."""
+        return _size(self.result_text) > self.max_result_bytes
 
     @property
     def is_error(self) -> bool:
@@ -107,10 +129,14 @@ class CallReport:
         if self.call_id:
             data["call_id"] = self.call_id
         if self.status is CallStatus.SUCCEEDED:
-            data["result"] = self.result
+            if self.result_cut:  # the cut text is the message; the whole stays in Celery
+                data["result_truncated"] = True
+                data["result_bytes"] = _size(self.result_text)
+            else:
+                data["result"] = self.result
         for name in ("error_type", "error", "failure_class", "dead_letter_reason"):
             if getattr(self, name):
-                data[name] = getattr(self, name)
+                data[name] = _clip(getattr(self, name), self.max_result_bytes)
         if self.body_completed:
             data["body_completed"] = True
         if self.invalid:
@@ -119,10 +145,27 @@ class CallReport:
         return data
 
     def message(self) -> str:
-        """What the model reads: the result, or what happened and what to do."""
+        """What the model reads: the result, or what happened and what to do;
+        cut to :attr:`max_result_bytes` with a note when longer."""
+        told = self.result_text if self.status is CallStatus.SUCCEEDED else self._told()
+        size = _size(told)
+        if size <= self.max_result_bytes:
+            return told
+        shown = _clip(told, self.max_result_bytes)
+        what = "result" if self.status is CallStatus.SUCCEEDED else "answer"
+        return (f"{shown}\n[cut: the {what} is {size} bytes of text; the first "
+                f"{_size(shown)} are shown and {size - _size(shown)} cut "
+                f"(tooleffect_agent_max_result_bytes). It is kept whole as the result of "
+                f"task_id {self.task_id} in Celery's result backend "
+                f"(AsyncResult('{self.task_id}').result), for the app or an operator to "
+                f"read; calling {self.tool or 'the tool'} again shows no more.]")
+
+    def _told(self) -> str:
         status, tool, task = self.status, self.tool, self.task_id
-        if status is CallStatus.SUCCEEDED:
-            return self.result if isinstance(self.result, str) else _json(self.result)
+        if status is CallStatus.UNKNOWN:
+            return (f"No call of the tools served here has task_id {task}: it is another "
+                    "task's, or nobody published it, or its record expired. Nothing is "
+                    "known of it here.")
         if status is CallStatus.AWAITING_APPROVAL:
             return (f"{tool} is waiting for a person's approval; nothing of it has run. "
                     f"Do not call it again: ask {STATUS_TOOL} with task_id {task} later.")
@@ -158,18 +201,20 @@ class ToolCaller:
     is waited for before the answer is its status (QUEUED or RUNNING), never
     an error; ``tick``: how often a waiting call's status is read (and
     reported as progress); ``max_argument_bytes``: the largest arguments a
-    call takes.
+    call takes; ``max_result_bytes``: the largest text the model is given.
     """
 
     def __init__(self, app: Celery, *, approval_wait: float = 30.0,
                  result_wait: float = 300.0, tick: float = 1.0,
                  max_argument_bytes: int = MAX_ARGUMENT_BYTES,
+                 max_result_bytes: int = MAX_RESULT_BYTES,
                  waiting_threads: int = 100) -> None:
         self.app = app
         self.approval_wait = approval_wait
         self.result_wait = result_wait
         self.tick = tick
         self.max_argument_bytes = max_argument_bytes
+        self.max_result_bytes = max_result_bytes
         self.waiting_threads = waiting_threads
         self._specs: dict[str, ToolSpec] = {}
         self._limiter: anyio.CapacityLimiter | None = None
@@ -183,7 +228,8 @@ class ToolCaller:
             settings = runtime_for(app).settings
             caller = cls(app, approval_wait=settings.agent_approval_wait,
                          result_wait=settings.agent_result_wait,
-                         max_argument_bytes=settings.agent_max_argument_bytes)
+                         max_argument_bytes=settings.agent_max_argument_bytes,
+                         max_result_bytes=settings.agent_max_result_bytes)
             _callers[app] = caller
         return caller
 
@@ -218,9 +264,12 @@ class ToolCaller:
     # -- calling --------------------------------------------------------------
 
     async def call(self, tool: ToolTask | str, arguments: Any, *, call_id: str | None = None,
-                   run_id: str | None = None, progress: Progress | None = None) -> CallReport:
+                   run_id: str | None = None, progress: Progress | None = None,
+                   published: Callable[[str], None] | None = None) -> CallReport:
         """Call ``tool`` with an agent's ``arguments`` (a mapping or its JSON)
-        and wait for it, reporting each change of status to ``progress``.
+        and wait for it, reporting each change of status to ``progress``;
+        ``published`` is given the task id as soon as the call is published
+        (also when the caller was cancelled while it was being published).
         ``call_id`` (the agent's tool-call id or an idempotency key) and
         ``run_id`` make the call's task id: the same pair is the same call.
         Invalid arguments, an id that is another call's, or a broker that
@@ -234,7 +283,10 @@ class ToolCaller:
                               error_type="InvalidToolArguments", error=str(exc),
                               failure_class="client_error", invalid=tuple(exc.errors))
         try:
+            # Not abandoned on cancel: a message that left is known by its id.
             task_id = await anyio.to_thread.run_sync(self.publish, name, kwargs, call_id, run_id)
+            if published is not None:
+                published(task_id)
         except (CallIdConflict, InvalidCallId) as exc:
             return CallReport(getattr(exc, "task_id", "") or "", name, CallStatus.REFUSED,
                               run_id or "", call_id or "", error_type=type(exc).__name__,
@@ -256,9 +308,10 @@ class ToolCaller:
                 run_id: str | None = None) -> str:
         """Publish the call (blocking): its task id. ``CallIdConflict`` or
         ``InvalidCallId`` when its identity cannot be this call's."""
-        options: dict[str, Any] = {}
-        if call_id is not None:
-            options["call_id"] = call_id
+        # Without a call id the caller still chooses the task id, so that it is
+        # claimed for its tool: the status tool answers only for served tools.
+        options: dict[str, Any] = {"task_id": uuid.uuid4().hex} if call_id is None else {
+            "call_id": call_id}
         if run_id is not None:
             options["run_id"] = run_id
         return str(self.app.tasks[tool].apply_async(kwargs=kwargs, **options).id)
@@ -287,9 +340,39 @@ class ToolCaller:
         finally:
             stop.set()
 
-    async def status(self, task_id: str, *, run_id: str = "") -> CallReport:
-        """How ``task_id`` stands now (the status tool's answer)."""
-        return await anyio.to_thread.run_sync(self.observe, task_id, "", run_id, "", 0.0)
+    async def status(self, task_id: str, *, run_id: str = "",
+                     tools: Collection[str] | None = None) -> CallReport:
+        """How ``task_id`` stands now (the status tool's answer), if it is a
+        call of one of ``tools`` (default: any of the app's tools); UNKNOWN
+        for any other id, as for one that does not exist."""
+        return await anyio.to_thread.run_sync(self.answer_status, task_id, run_id, tools)
+
+    def answer_status(self, task_id: str, run_id: str = "",
+                      tools: Collection[str] | None = None) -> CallReport:
+        """:meth:`status`, blocking."""
+        served = {str(task.name) for task in self.tools()} if tools is None else set(tools)
+        tool = self.tool_of(task_id) if task_id else ""
+        if tool not in served:
+            return CallReport(task_id, "", CallStatus.UNKNOWN,
+                              max_result_bytes=self.max_result_bytes)
+        return self.observe(task_id, tool, run_id, "", 0.0)
+
+    def tool_of(self, task_id: str) -> str:
+        """The tool ``task_id`` is a call of ('' when nothing says): its
+        publish-time claim (every call an agent makes, and every call whose
+        producer chose its id), else its dead letter, its approval, or its
+        Celery result (``result_extended``) names it."""
+        runtime = runtime_for(self.app)
+        named = runtime.calls.tool(task_id)
+        if named:
+            return named
+        letter = runtime.dead_letters.get(task_id)
+        if letter is not None and letter.name:
+            return letter.name
+        approval = runtime.approvals.get(task_id)
+        if approval is not None and approval.name:
+            return approval.name
+        return str(getattr(self.app.AsyncResult(task_id), "name", None) or "")
 
     # -- reading (blocking, in a worker thread) --------------------------------
 
@@ -328,7 +411,8 @@ class ToolCaller:
                 remove(result)
         runtime = runtime_for(self.app)
         base = CallReport(task_id, tool or str(getattr(result, "name", None) or ""),
-                          CallStatus.QUEUED, run_id, call_id)
+                          CallStatus.QUEUED, run_id, call_id,
+                          max_result_bytes=self.max_result_bytes)
         if state == celery_states.SUCCESS:
             return replace(base, status=CallStatus.SUCCEEDED, result=value)
         if state == celery_states.REVOKED:
@@ -370,6 +454,16 @@ class ToolCaller:
 
 
 _callers: weakref.WeakKeyDictionary[Any, ToolCaller] = weakref.WeakKeyDictionary()
+
+
+def _size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text``'s first ``limit`` UTF-8 bytes (never half a character)."""
+    data = text.encode("utf-8", "surrogatepass")
+    return text if len(data) <= limit else data[:limit].decode("utf-8", "ignore")
 
 
 def _json(value: Any) -> str:

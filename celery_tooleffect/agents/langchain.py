@@ -3,8 +3,10 @@
 :func:`langchain_tool` makes a ``StructuredTool`` whose ``args_schema`` is the
 tool's own argument model; its call is the tool's task, published with the
 model's tool-call id (LangChain's ``InjectedToolCallId``) as the call id and
-the graph's ``thread_id`` as the run id, so that the same tool call is the
-same task: a resumed or re-run graph never runs a write twice. Every ending
+the graph's ``thread_id`` as the run id (without one: an id of that graph
+invocation's own, :func:`thread_id_of`), so that the same tool call is the
+same task: a resumed or re-run graph of a thread never runs a write twice,
+and another invocation's ``call_0`` is another call. Every ending
 the model must hear of (a failure, a dead letter, a rejection, invalid
 arguments) is raised as a ``ToolException`` that the tool turns into a
 ``ToolMessage`` with ``status="error"`` (``handle_tool_error``); the graph
@@ -18,6 +20,9 @@ the tool again with the same tool-call id, which is the same call.
 
 from __future__ import annotations
 
+import threading
+import uuid
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Annotated, Any
 
@@ -64,11 +69,13 @@ def langchain_tool(task: ToolTask, *, caller: ToolCaller | None = None,
     )
 
 
-def langchain_status_tool(caller: ToolCaller) -> StructuredTool:
-    """The status tool: how an earlier call stands, by its task id."""
+def langchain_status_tool(caller: ToolCaller, tools: Iterable[str] | None = None) -> StructuredTool:
+    """The status tool: how an earlier call of one of ``tools`` (default: any
+    of the app's tools) stands, by its task id; "unknown" for any other id."""
+    served = None if tools is None else frozenset(tools)
 
     async def status(task_id: str, config: RunnableConfig) -> tuple[str, Any]:
-        report = await caller.status(task_id, run_id=thread_id_of(config) or "")
+        report = await caller.status(task_id, run_id=thread_id_of(config), tools=served)
         return report.message(), report.to_dict()
 
     return StructuredTool.from_function(
@@ -81,12 +88,57 @@ def langchain_status_tool(caller: ToolCaller) -> StructuredTool:
 def langchain_tools(app: Any, patterns: Iterable[str] = ()) -> list[StructuredTool]:
     """Every tool of ``app`` (those matching ``patterns``), and the status tool."""
     caller = ToolCaller.for_app(app)
-    return [*(langchain_tool(task, caller=caller) for task in caller.tools(patterns)),
-            langchain_status_tool(caller)]
+    served = caller.tools(patterns)
+    return [*(langchain_tool(task, caller=caller) for task in served),
+            langchain_status_tool(caller, [str(task.name) for task in served])]
 
 
-def thread_id_of(config: RunnableConfig | None) -> str | None:
-    """The graph's ``thread_id`` (``config["configurable"]``), if it has one."""
+def thread_id_of(config: RunnableConfig | None) -> str:
+    """The run a tool call belongs to: the graph's ``thread_id``
+    (``config["configurable"]``), else the ``run_id`` the invocation's config
+    names, else an id of this graph invocation's own.
+
+    The last is bound to the invocation's ``RunControl`` (LangGraph's
+    ``Runtime.control``: one per ``invoke``/``ainvoke``/``astream``, shared
+    by its steps and subgraphs), so that every tool call of one invocation
+    has the same run and a tool-call id repeated by another invocation
+    (``call_0``) is another call. A tool called outside a graph has no run
+    of its own but the call: each call gets a new run id."""
     configurable = (config or {}).get("configurable") or {}
-    value = configurable.get("thread_id")
-    return str(value) if value else None
+    runtime = configurable.get("__pregel_runtime")
+    given = getattr(getattr(runtime, "execution_info", None), "run_id", None)
+    for value in (configurable.get("thread_id"), given):
+        if value:
+            return str(value)
+    control = getattr(runtime, "control", None)
+    if control is None:
+        return uuid.uuid4().hex
+    return _invocations.run_id(control)
+
+
+class _Invocations:
+    """The run ids given to graph invocations without a ``thread_id``, by
+    their ``RunControl`` (which takes no attribute and no weak reference):
+    held, so that an id is never another object's, for the latest
+    :data:`KEPT_INVOCATIONS` invocations that called a tool."""
+
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+        self.ids: OrderedDict[int, tuple[object, str]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def run_id(self, control: object) -> str:
+        with self.lock:
+            held = self.ids.get(id(control))
+            if held is None or held[0] is not control:
+                held = (control, f"graph-{uuid.uuid4().hex}")
+                self.ids[id(control)] = held
+                while len(self.ids) > self.kept:
+                    self.ids.popitem(last=False)
+            self.ids.move_to_end(id(control))
+            return held[1]
+
+
+#: How many graph invocations' run ids are held (the most recently used).
+KEPT_INVOCATIONS = 10_000
+_invocations = _Invocations(KEPT_INVOCATIONS)

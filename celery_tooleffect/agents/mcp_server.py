@@ -9,7 +9,8 @@ message as text, the report as ``structuredContent``, ``isError`` for every
 failed ending (a failure, a dead letter, a rejection, arguments that do not
 fit). Progress notifications follow the call while it is queued, running or
 parked. One more tool, ``tooleffect_call_status``, answers how an earlier call
-stands. Operator actions (replay, purge, approve) are never tools.
+of a tool served here stands ("unknown" for any other task id). Operator
+actions (replay, purge, approve) are never tools.
 
 A call's identity (``docs/identity.md``) comes from the request's ``_meta``:
 
@@ -17,11 +18,14 @@ A call's identity (``docs/identity.md``) comes from the request's ``_meta``:
   is the same call, answered with its first outcome, never run twice. Without
   one, every request is a new call.
 - ``runId``: the run; else the MCP session (``Mcp-Session-Id`` over stateful
-  HTTP), else the server process's own id (stdio: one session per process).
+  HTTP), else the server process's own id (stdio: one client, one session
+  per process). An HTTP request without a session names no run: with an
+  ``idempotencyKey`` it is refused unless it sends ``runId``.
 
 Over streamable HTTP the server asks every request for ``Authorization:
 Bearer <tooleffect_mcp_token>``; only on a loopback address may it run
-without a token.
+without a token. Whatever the address, and with a token too, the SDK's Host
+and Origin checks are on (:func:`transport_security`).
 """
 
 from __future__ import annotations
@@ -37,9 +41,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import mcp_types as types
 from mcp.server import Server, ServerRequestContext
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 
 from ..errors import ConfigurationError
+from ..settings import settings_for
+from ..states import CallStatus
 from .calls import STATUS_TOOL, CallReport, ToolCaller
 from .schema import ToolSpec
 
@@ -52,6 +59,11 @@ logger = logging.getLogger(__name__)
 #: ``_meta`` keys of a ``tools/call`` request that name the call and its run.
 IDEMPOTENCY_KEY = "idempotencyKey"
 RUN_ID_KEY = "runId"
+
+#: The logger name of the notification that tells a cancelled call's client
+#: what became of the call, and how long telling it may take.
+CANCEL_LOGGER = "celery_tooleffect.cancelled"
+CANCEL_NOTICE_WAIT = 10.0
 
 _STATUS_INPUT = {
     "type": "object",
@@ -127,20 +139,31 @@ class ToolServer:
     async def _call_tool(self, ctx: ServerRequestContext[Any],
                          params: types.CallToolRequestParams) -> types.CallToolResult:
         meta: dict[str, Any] = dict(ctx.meta or {})
-        run_id = str(meta.get(RUN_ID_KEY) or self.session_run_id(ctx))
+        given_run = meta.get(RUN_ID_KEY) or self.session_run_id(ctx)
         arguments = params.arguments or {}
         if params.name == STATUS_TOOL:
             task_id = arguments.get("task_id")
             if not isinstance(task_id, str) or not task_id:
                 return _error_text(f"{STATUS_TOOL}: give the task_id a call answered with")
-            report = await self.caller.status(task_id, run_id=str(arguments.get("run_id")
-                                                                  or run_id))
+            report = await self.caller.status(
+                task_id, run_id=str(arguments.get("run_id") or given_run or ""),
+                tools=self.specs)
             return _result(report, is_error=False)
         spec = self.specs.get(params.name)
         if spec is None:
             # A JSON-RPC error, as the SDK answers a method it does not know.
             raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {params.name}")
         call_id = meta.get(IDEMPOTENCY_KEY)
+        if not given_run and call_id is not None:
+            refused = CallReport(
+                "", spec.name, CallStatus.REFUSED, call_id=str(call_id),
+                error_type="InvalidCallId", failure_class="client_error",
+                error=f"an {IDEMPOTENCY_KEY} needs a run, and this request has no session and "
+                      f"no _meta {RUN_ID_KEY}: send _meta {RUN_ID_KEY} (the conversation's id) "
+                      "with it. Nothing was published.")
+            return _result(refused, is_error=True)
+        # A request without a key is a call of its own: its run is its own too.
+        run_id = str(given_run or uuid.uuid4().hex)
         steps = 0
 
         async def progress(report: CallReport) -> None:
@@ -149,17 +172,54 @@ class ToolServer:
             await ctx.session.report_progress(steps, None, f"{spec.name}: {report.status.value}"
                                               f" (task_id {report.task_id})")
 
-        report = await self.caller.call(
-            spec.name, arguments, call_id=None if call_id is None else str(call_id),
-            run_id=run_id, progress=progress)
+        published: list[str] = []
+        try:
+            report = await self.caller.call(
+                spec.name, arguments, call_id=None if call_id is None else str(call_id),
+                run_id=run_id, progress=progress, published=published.append)
+        except anyio.get_cancelled_exc_class():
+            # notifications/cancelled: the protocol lets the server answer the
+            # request with nothing, so the client is told before it ends.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_NOTICE_WAIT):
+                await self._tell_cancelled(ctx, spec.name, published, run_id, steps + 1)
+            raise
         return _result(report, is_error=report.is_error)
 
-    def session_run_id(self, ctx: ServerRequestContext[Any]) -> str:
+    async def _tell_cancelled(self, ctx: ServerRequestContext[Any], tool: str,
+                              published: list[str], run_id: str, step: int) -> None:
+        """Tell the client of a cancelled ``tools/call`` what became of the
+        call: a log notification (``notifications/message``, level
+        ``warning``, logger :data:`CANCEL_LOGGER`) whose data names the task
+        id, how the call stood and that the status tool tells how it ends,
+        and the same text as a progress notification when the client asked
+        for progress."""
+        try:
+            if not published:
+                notice: dict[str, Any] = {
+                    "event": "cancelled", "tool": tool, "task_id": None, "status": None,
+                    "body_started": False,
+                    "message": f"{tool}: cancelled before it was published; nothing of it "
+                               "was sent, and nothing of it runs."}
+            else:
+                report = await anyio.to_thread.run_sync(
+                    self.caller.observe, published[0], tool, run_id, "", 0.0)
+                notice = cancel_notice(report)
+            await ctx.session.send_log_message(
+                "warning", notice, logger=CANCEL_LOGGER, related_request_id=ctx.request_id)
+            await ctx.session.report_progress(step, None, str(notice["message"]))
+        except Exception:  # the client may be gone too: the call is in Celery's hands
+            logger.debug("could not tell a cancelled call's client", exc_info=True)
+
+    def session_run_id(self, ctx: ServerRequestContext[Any]) -> str | None:
         """The run of a request without ``_meta.runId``: its MCP session over
-        stateful HTTP, else this server process's."""
+        stateful HTTP; over stdio this server process's (it serves one client,
+        one session); None for an HTTP request without a session (stateless,
+        or the 2026-07-28 protocol), which names no run."""
         request = ctx.request
-        session = request.headers.get("mcp-session-id") if request is not None else None
-        return str(session or self.process_run_id)
+        if request is None:
+            return self.process_run_id
+        session = request.headers.get("mcp-session-id")
+        return str(session) if session else None
 
     # -- serving ----------------------------------------------------------------
 
@@ -171,15 +231,25 @@ class ToolServer:
             await self.server.run(read_stream, write_stream,
                                   self.server.create_initialization_options())
 
-    def http_app(self, *, host: str, token: str | None, path: str = "/mcp") -> ASGIApp:
-        """The streamable HTTP app: the SDK's (DNS-rebinding protection on a
-        loopback host), behind a bearer-token check. Without ``token`` only a
+    def http_app(self, *, host: str, token: str | None, path: str = "/mcp",
+                 allowed_hosts: Iterable[str] | None = None,
+                 allowed_origins: Iterable[str] | None = None) -> ASGIApp:
+        """The streamable HTTP app: the SDK's, with its Host and Origin checks
+        on whatever ``host`` is (:func:`transport_security`), behind a
+        bearer-token check. ``allowed_hosts`` and ``allowed_origins`` are what
+        a deployment trusts besides this machine's names (default: the
+        ``tooleffect_mcp_allowed_*`` settings). Without ``token`` only a
         loopback ``host`` is served (``ConfigurationError`` otherwise)."""
         if not token and not is_loopback(host):
             raise ConfigurationError(
                 f"the MCP server listens on {host}, beyond this machine: set "
                 "tooleffect_mcp_token (or --token-env) so that clients must present it")
-        app = self.server.streamable_http_app(streamable_http_path=path, host=host)
+        settings = settings_for(self.app)
+        security = transport_security(
+            host, settings.mcp_allowed_hosts if allowed_hosts is None else allowed_hosts,
+            settings.mcp_allowed_origins if allowed_origins is None else allowed_origins)
+        app = self.server.streamable_http_app(streamable_http_path=path, host=host,
+                                              transport_security=security)
         return BearerToken(app, token) if token else app
 
     async def serve_http(self, *, host: str, port: int, token: str | None,
@@ -226,6 +296,79 @@ class BearerToken:
         await self.app(scope, receive, send)
 
 
+#: The names by which a client on this machine reaches a server on it.
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+
+
+def transport_security(host: str, hosts: Iterable[str] = (),
+                       origins: Iterable[str] = ()) -> TransportSecuritySettings:
+    """The SDK's DNS-rebinding protection for a server listening on ``host``,
+    always on: it accepts a ``Host`` of :data:`LOOPBACK_NAMES`, of ``host`` as
+    spelt and in its canonical form (not a wildcard such as ``0.0.0.0``), and
+    of ``hosts``, each with any port; an ``Origin`` of ``http://`` those
+    names, and ``origins``. Anything else is answered 421 (Host) or 403
+    (Origin) before the request reaches the server. The SDK turns its check
+    on by itself only for ``127.0.0.1``, ``localhost`` and ``::1``: a browser
+    page of a rebound name must not reach ``127.0.0.2`` or a server that
+    trusts a token alone either."""
+    names = list(LOOPBACK_NAMES)
+    bare = host.strip("[]")
+    try:
+        address = ipaddress.ip_address(bare)
+    except ValueError:
+        names.append(host)
+    else:
+        if not address.is_unspecified:
+            if address.version == 6:
+                names += [f"[{bare}]", f"[{address.compressed}]"]
+            else:
+                names.append(address.compressed)
+    trusted = [*names, *hosts]
+    allowed_origins = [f"http://{name}" for name in names]
+    allowed_origins += [*origins]
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=_any_port(trusted), allowed_origins=_any_port(allowed_origins))
+
+
+def _any_port(names: Iterable[str]) -> list[str]:
+    """Each name as given and, unless it names one already, with any port."""
+    allowed: list[str] = []
+    for name in dict.fromkeys(names):
+        allowed.append(name)
+        if not name.endswith(":*") and not _has_port(name):
+            allowed.append(f"{name}:*")
+    return allowed
+
+
+def _has_port(name: str) -> bool:
+    tail = name.rsplit("]", 1)[-1].split("//", 1)[-1]
+    return ":" in tail and tail.rsplit(":", 1)[1].isdigit()
+
+
+def cancel_notice(report: CallReport) -> dict[str, Any]:
+    """What the client of a cancelled call is told, from how it stands: a
+    cancelled request stops the waiting, never the call."""
+    tool, task, status = report.tool, report.task_id, report.status
+    started: bool | None
+    if status is CallStatus.QUEUED:
+        stood, started = ("it was queued: no worker had reported it started, so its "
+                          "body had not started as far as the package knows; it runs when a "
+                          "worker takes it"), False
+    elif status is CallStatus.AWAITING_APPROVAL:
+        stood, started = ("it was waiting for a person's approval: nothing of it had run; "
+                          "it runs if approved"), False
+    elif status is CallStatus.RUNNING:
+        stood, started = "it was running: its body had started and goes on", True
+    else:
+        stood, started = f"it had already ended ({status.value})", None
+    return {"event": "cancelled", "tool": tool, "task_id": task, "status": status.value,
+            "body_started": started,
+            "message": (f"{tool} (task_id {task}): the client cancelled its wait, not the "
+                        f"call; {stood}. Ask {STATUS_TOOL} with task_id {task} how it ended; "
+                        "do not call it again.")}
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is this machine only (127.0.0.0/8, ::1, localhost)."""
     if host == "localhost":
@@ -247,4 +390,5 @@ def _error_text(text: str) -> types.CallToolResult:
                                 is_error=True)
 
 
-__all__ = ["IDEMPOTENCY_KEY", "RUN_ID_KEY", "BearerToken", "ToolServer"]
+__all__ = ["CANCEL_LOGGER", "IDEMPOTENCY_KEY", "RUN_ID_KEY", "BearerToken", "ToolServer",
+           "cancel_notice", "transport_security"]

@@ -3,8 +3,10 @@
 :func:`openai_agents_tool` makes a ``FunctionTool`` with the tool's input
 schema; its call is the tool's task, published with the model's
 ``ToolContext.tool_call_id`` as the call id and the run's trace id
-(``RunConfig.trace_id``, else ``group_id``) as the run id, so that the same
-tool call is the same task: a re-run after a crash never runs a write twice.
+(``RunConfig.trace_id``, else ``group_id``, else an id of that
+``Runner.run``'s own: :func:`run_id_of`) as the run id, so that the same
+tool call is the same task: a re-run after a crash with the same trace id
+never runs a write twice, and another run's ``call_0`` is another call.
 The call awaits the task without blocking the event loop. Every ending the
 model must hear of (a failure, a dead letter, a rejection, invalid arguments)
 is returned to it as the tool's output, which the SDK sends back for that
@@ -21,6 +23,7 @@ ask, the second whether the write may run.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,12 +56,16 @@ def openai_agents_tool(task: ToolTask, *, caller: ToolCaller | None = None,
     )
 
 
-def openai_agents_status_tool(caller: ToolCaller) -> FunctionTool:
-    """The status tool: how an earlier call stands, by its task id."""
+def openai_agents_status_tool(caller: ToolCaller,
+                              tools: Iterable[str] | None = None) -> FunctionTool:
+    """The status tool: how an earlier call of one of ``tools`` (default: any
+    of the app's tools) stands, by its task id; "unknown" for any other id."""
+    served = None if tools is None else frozenset(tools)
 
     async def invoke(ctx: ToolContext[Any], arguments: str) -> str:
         task_id = str(json.loads(arguments or "{}").get("task_id") or "")
-        report: CallReport = await caller.status(task_id, run_id=run_id_of(ctx) or "")
+        report: CallReport = await caller.status(task_id, run_id=run_id_of(ctx),
+                                                 tools=served)
         return json.dumps(report.to_dict())
 
     return FunctionTool(
@@ -73,19 +80,34 @@ def openai_agents_status_tool(caller: ToolCaller) -> FunctionTool:
 def openai_agents_tools(app: Any, patterns: Iterable[str] = ()) -> list[FunctionTool]:
     """Every tool of ``app`` (those matching ``patterns``), and the status tool."""
     caller = ToolCaller.for_app(app)
-    return [*(openai_agents_tool(task, caller=caller) for task in caller.tools(patterns)),
-            openai_agents_status_tool(caller)]
+    served = caller.tools(patterns)
+    return [*(openai_agents_tool(task, caller=caller) for task in served),
+            openai_agents_status_tool(caller, [str(task.name) for task in served])]
 
 
-def run_id_of(ctx: RunContextWrapper[Any]) -> str | None:
+def run_id_of(ctx: RunContextWrapper[Any]) -> str:
     """The run a tool call belongs to: the run's trace id, else its group id
-    (``RunConfig``); None when the run names neither (the call id alone is then
-    the identity)."""
+    (``RunConfig``), else an id of this ``Runner.run`` of its own.
+
+    The last is kept on the run's ``Usage`` object, which the SDK makes once
+    per ``RunContextWrapper`` (per ``Runner.run``, and kept when an
+    interrupted run resumes from its in-memory ``RunState``) and shares with
+    every tool call of the run: a tool-call id repeated by another run, as
+    servers that number calls per response (``call_0``) do, is another call."""
     config = getattr(ctx, "run_config", None)
     for value in (getattr(config, "trace_id", None), getattr(config, "group_id", None)):
         if value:
             return str(value)
-    return None
+    usage = ctx.usage
+    own = getattr(usage, _RUN_ATTRIBUTE, None)
+    if not isinstance(own, str):
+        own = f"run_{uuid.uuid4().hex}"
+        setattr(usage, _RUN_ATTRIBUTE, own)  # no await between read and write: one per run
+    return own
+
+
+#: Where a run without a trace id or group id keeps the run id it was given.
+_RUN_ATTRIBUTE = "_tooleffect_run_id"
 
 
 def takes_strict(spec: ToolSpec) -> bool:

@@ -8,8 +8,9 @@ so that the same tool call is the same task. Arguments that do not fit raise
 ``ModelRetry`` (the model can correct them); every other error ending (a
 failure, a dead letter, a rejection) raises ``ToolFailed``, which the model
 sees as a failed call that is not to be retried; the run goes on. A success
-returns the tool's result, with the call's report as the ``ToolReturn``'s
-metadata (not sent to the model).
+returns the tool's result (a result longer than
+``tooleffect_agent_max_result_bytes``: its cut text with a note), with the
+call's report as the ``ToolReturn``'s metadata (not sent to the model).
 
 pydantic-ai's deferred tools (``requires_approval``, ``ApprovalRequired``)
 end the run until the app decides; the package's ``requires_approval`` parks
@@ -46,7 +47,7 @@ def pydantic_ai_tool(task: ToolTask, *, caller: ToolCaller | None = None,
             raise ModelRetry(report.message())
         if report.is_error:
             raise ToolFailed(report.message())
-        if report.status is not CallStatus.SUCCEEDED:
+        if report.status is not CallStatus.SUCCEEDED or report.result_cut:
             return ToolReturn(report.message(), metadata=report.to_dict())
         return ToolReturn(report.result, metadata=report.to_dict())
 
@@ -56,11 +57,13 @@ def pydantic_ai_tool(task: ToolTask, *, caller: ToolCaller | None = None,
     return tool
 
 
-def pydantic_ai_status_tool(caller: ToolCaller) -> Tool[Any]:
-    """The status tool: how an earlier call stands, by its task id."""
+def pydantic_ai_status_tool(caller: ToolCaller, tools: Iterable[str] | None = None) -> Tool[Any]:
+    """The status tool: how an earlier call of one of ``tools`` (default: any
+    of the app's tools) stands, by its task id; "unknown" for any other id."""
+    served = None if tools is None else frozenset(tools)
 
     async def status(ctx: RunContext[Any], task_id: str) -> Any:
-        report = await caller.status(task_id, run_id=run_id_of(ctx) or "")
+        report = await caller.status(task_id, run_id=run_id_of(ctx) or "", tools=served)
         return report.to_dict()
 
     return Tool(status, name=STATUS_TOOL, takes_ctx=True,
@@ -71,12 +74,16 @@ def pydantic_ai_status_tool(caller: ToolCaller) -> Tool[Any]:
 def pydantic_ai_tools(app: Any, patterns: Iterable[str] = ()) -> list[Tool[Any]]:
     """Every tool of ``app`` (those matching ``patterns``), and the status tool."""
     caller = ToolCaller.for_app(app)
-    return [*(pydantic_ai_tool(task, caller=caller) for task in caller.tools(patterns)),
-            pydantic_ai_status_tool(caller)]
+    served = caller.tools(patterns)
+    return [*(pydantic_ai_tool(task, caller=caller) for task in served),
+            pydantic_ai_status_tool(caller, [str(task.name) for task in served])]
 
 
 def run_id_of(ctx: RunContext[Any]) -> str | None:
-    """The conversation a call belongs to (stable across resumed runs), else the run."""
+    """The conversation a call belongs to, else the run. pydantic-ai gives
+    every ``Agent.run`` a ``conversation_id``: the one passed, else the latest
+    on ``message_history`` (a resumed run keeps it), else a fresh UUID7; and
+    a ``run_id``, fresh unless passed. A run never lacks one of its own."""
     for value in (getattr(ctx, "conversation_id", None), getattr(ctx, "run_id", None)):
         if value:
             return str(value)

@@ -183,6 +183,10 @@ class ToolSpec:
                 "status": {"type": "string", "enum": list(CallStatus.values())},
                 "task_id": {"type": "string"},
                 "result": result,
+                # A result longer than the model is given: left out, its size
+                # named; the message holds its cut text and a note.
+                "result_truncated": {"type": "boolean"},
+                "result_bytes": {"type": "integer"},
                 "message": {"type": "string"},
             },
             "required": ["status", "task_id"],

@@ -64,3 +64,13 @@ class CallClaims:
             raise StoreUnavailable(f"call claims unavailable: {exc}") from exc
         parts = [text(part) for part in answer]
         return Claim(parts[0], *parts[1:3])
+
+    def tool(self, task_id: str) -> str | None:
+        """The tool ``task_id`` was claimed for (None: never claimed, or the
+        claim expired). Raises :class:`StoreUnavailable` when the store did
+        not answer."""
+        try:
+            recorded = self.client.hget(self.keys.call_claim(task_id), "tool")
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"call claims unavailable: {exc}") from exc
+        return None if recorded is None else text(recorded)

@@ -12,6 +12,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -60,16 +61,17 @@ class Agents:
         return [sys.executable, "-m", "celery", "-A", APP, "tooleffect", *arguments]
 
     @asynccontextmanager
-    async def stdio(self, *arguments: str) -> AsyncIterator[ClientSession]:
-        """A client session with ``tooleffect mcp`` over stdio (a subprocess)."""
+    async def stdio(self, *arguments: str, **session: Any) -> AsyncIterator[ClientSession]:
+        """A client session with ``tooleffect mcp`` over stdio (a subprocess);
+        ``session``: options of the ``ClientSession`` (``logging_callback``)."""
         command = self.command("mcp", *arguments)
         params = StdioServerParameters(command=command[0], args=command[1:],
                                        env={**os.environ, **self.env}, cwd=str(ROOT))
         with (self.tmp_path / "mcp-stderr.log").open("a") as errors:
             async with stdio_client(params, errlog=errors) as (read, write), \
-                    ClientSession(read, write) as session:
-                await session.initialize()
-                yield session
+                    ClientSession(read, write, **session) as client:
+                await client.initialize()
+                yield client
 
     def http_server(self, *arguments: str, token: str | None = "s3cret",
                     host: str = "127.0.0.1") -> str:
@@ -90,7 +92,7 @@ class Agents:
         wait_for(lambda: server.poll() is not None or answers(host, port), timeout=30,
                  what="the MCP server to listen")
         assert server.poll() is None, (self.tmp_path / f"mcp-http-{port}.log").read_text()
-        return f"http://{host}:{port}/mcp"
+        return url_of(host, port)
 
     @asynccontextmanager
     async def http(self, url: str, token: str | None = "s3cret") -> AsyncIterator[ClientSession]:
@@ -109,6 +111,16 @@ class Agents:
                 server.wait(10)
         for worker in self.workers:
             worker.kill()
+
+
+def url_of(host: str, port: int) -> str:
+    """The URL a client on this machine uses for a server listening on ``host``
+    (a wildcard address through 127.0.0.1)."""
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/mcp"
 
 
 def free_port() -> int:

@@ -12,11 +12,13 @@ import anyio
 import httpx2
 import mcp_types as types
 import pytest
-from mcp import MCPError
+from mcp import ClientSession, MCPError
+from mcp.client.streamable_http import streamable_http_client
 
 from celery_tooleffect import DeadLetters, call_task_id
 from celery_tooleffect.agents import STATUS_TOOL
-from tests.agents.conftest import ROOT, Agents
+from celery_tooleffect.store.keys import Keys
+from tests.agents.conftest import ROOT, Agents, Poll
 from tests.apps.agent_tools_app import build
 
 
@@ -39,8 +41,8 @@ def test_tools_list_names_schemas_and_annotations_per_effect(agents: Agents) -> 
             return (await session.list_tools()).tools
 
     tools = {tool.name: tool for tool in anyio.run(scenario)}
-    assert sorted(tools) == ["shop.charge", "shop.quote", "shop.refund", "shop.search",
-                             "shop.send_invoice", STATUS_TOOL]
+    assert sorted(tools) == ["shop.charge", "shop.export", "shop.quote", "shop.refund",
+                             "shop.search", "shop.send_invoice", STATUS_TOOL]
     search, invoice, refund = tools["shop.search"], tools["shop.send_invoice"], tools["shop.refund"]
     assert search.input_schema == {
         "type": "object", "additionalProperties": False, "required": ["query"],
@@ -408,3 +410,236 @@ def test_a_client_of_the_newer_protocol_reads_and_writes_once_by_its_key(
         assert answer.structured_content is not None
         assert answer.structured_content["task_id"] == call_task_id("newer-1", "run-newer")
     assert agents.runs("newer") == 1
+
+
+def test_the_status_tool_answers_only_for_served_tools_and_names_the_tool(
+        agents: Agents) -> None:
+    """A plain Celery task, a tool left out by ``--tool`` and an id nobody
+    published all get the same "unknown"; each served call's answer names its
+    tool in every state, though results are not extended (no ``result.name``)."""
+    from celery_tooleffect import Approvals
+
+    agents.worker()
+    app = build(agents.prefix)
+    assert not app.conf.result_extended
+    plain = app.tasks["plain.echo"].apply_async(("secret",))
+    excluded = app.tasks["shop.quote"].apply_async(kwargs={"sku": "hidden"},
+                                                   call_id="q-1", run_id="run-x")
+    # A served tool published without a chosen id: its dead letter names it.
+    undeclared = app.tasks["shop.charge"].apply_async(kwargs={"key": "c-d", "cents": 500_000})
+    assert plain.get(timeout=30) == "plain secret"
+    assert excluded.get(timeout=30) == {"sku": "hidden", "cents": 1999}
+    served = ("--tool", "shop.search", "--tool", "shop.charge", "--tool", "shop.refund",
+              "--tool", "shop.send_invoice")
+
+    async def ask(session: Any, task_id: str, want: str) -> types.CallToolResult:
+        with anyio.fail_after(30):
+            while True:
+                answer = await session.call_tool(STATUS_TOOL, {"task_id": task_id})
+                assert answer.structured_content is not None
+                if answer.structured_content["status"] == want:
+                    return answer
+                await anyio.sleep(0.1)
+
+    async def scenario() -> tuple[list[types.CallToolResult], dict[str, types.CallToolResult]]:
+        async with agents.stdio(*served) as session:
+            unknown = [await session.call_tool(STATUS_TOOL, {"task_id": task_id})
+                       for task_id in (plain.id, excluded.id, "no-such-call")]
+            read = await session.call_tool("shop.search", {"query": "usb"})
+            failed = await session.call_tool("shop.charge", {"key": "c-1", "cents": 500_000})
+            parked = await session.call_tool("shop.refund", {"key": "r-x", "cents": 5})
+            answers: dict[str, types.CallToolResult] = {}
+            for name, call, want in (("shop.search", read, "succeeded"),
+                                     ("shop.charge", failed, "dead_lettered")):
+                assert call.structured_content is not None
+                answers[name] = await ask(session, call.structured_content["task_id"], want)
+            answers["undeclared"] = await ask(session, undeclared.id, "dead_lettered")
+            assert parked.structured_content is not None
+            refund_id = parked.structured_content["task_id"]
+            answers["parked"] = await ask(session, refund_id, "awaiting_approval")
+            await anyio.to_thread.run_sync(
+                lambda: Approvals(app).reject(refund_id, by="test", reason="no refunds"))
+            answers["shop.refund"] = await ask(session, refund_id, "rejected")
+            revoked = await anyio.to_thread.run_sync(lambda: app.tasks[
+                "shop.send_invoice"].apply_async(kwargs={"key": "gone", "cents": 1},
+                                                 call_id="late-1", run_id="run-x", expires=-1))
+            answers["shop.send_invoice"] = await ask(session, revoked.id, "revoked")
+            return unknown, answers
+
+    unknown, answers = anyio.run(scenario)
+    said = []
+    for answer, task_id in zip(unknown, (plain.id, excluded.id, "no-such-call"), strict=True):
+        assert not answer.is_error
+        content = dict(answer.structured_content or {})
+        assert content.pop("task_id") == task_id
+        said.append((content.pop("message").replace(task_id, "<id>"), content))
+        assert "secret" not in text(answer) and "hidden" not in text(answer)
+    assert said[0] == said[1] == said[2]
+    assert said[0][1] == {"status": "unknown", "tool": ""}
+    assert said[0][0].startswith("No call of the tools served here has task_id <id>")
+    named = {"shop.search": "shop.search", "shop.charge": "shop.charge",
+             "undeclared": "shop.charge", "parked": "shop.refund", "shop.refund": "shop.refund",
+             "shop.send_invoice": "shop.send_invoice"}
+    for key, tool in named.items():
+        content = answers[key].structured_content
+        assert content is not None
+        assert content["tool"] == tool, (key, content)
+        assert text(answers[key]).startswith(tool) or key == "shop.search", text(answers[key])
+    assert text(answers["shop.refund"]).startswith("shop.refund was rejected: a person did not")
+    assert text(answers["shop.send_invoice"]).startswith("shop.send_invoice was cancelled")
+    assert agents.runs("r-x") == 0 and agents.runs("gone") == 0
+
+
+def test_a_result_of_5_mb_reaches_the_client_cut_with_a_note(agents: Agents) -> None:
+    """The model gets the first 32 KiB (tooleffect_agent_max_result_bytes) and
+    a note naming the size and the task id that keeps the whole; the
+    structured content leaves the result out, names its size, and still fits
+    the tool's output schema (the SDK's client validates it)."""
+    agents.worker()
+    chars = 2_500_000  # 5 000 000 bytes of UTF-8, never cut inside a character
+
+    async def scenario() -> tuple[types.CallToolResult, types.CallToolResult]:
+        async with agents.stdio() as session:
+            await session.list_tools()  # the client then checks structuredContent
+            answer = await session.call_tool("shop.export", {"chars": chars})
+            assert answer.structured_content is not None
+            status = await session.call_tool(
+                STATUS_TOOL, {"task_id": answer.structured_content["task_id"]})
+            return answer, status
+
+    answer, status = anyio.run(scenario)
+    for result in (answer, status):
+        assert not result.is_error
+        content = result.structured_content
+        assert content is not None
+        task_id = content["task_id"]
+        assert (content["status"], content["result_truncated"], content["result_bytes"]) == (
+            "succeeded", True, 5_000_000)
+        assert "result" not in content
+        said = text(result)
+        assert content["message"] == said
+        shown, note = said.split("\n[cut: ", 1)
+        assert shown == "\u00e9" * (32 * 1024 // 2)
+        assert note.startswith("the result is 5000000 bytes of text; the first 32768 are "
+                               "shown and 4967232 cut (tooleffect_agent_max_result_bytes).")
+        assert f"task_id {task_id}" in note and f"AsyncResult('{task_id}').result" in note
+        assert len(said.encode()) < 33 * 1024
+    assert len(build(agents.prefix).AsyncResult(task_id).get(timeout=10)) == chars
+
+
+def test_a_cancelled_call_tells_its_task_id_and_whether_its_body_started(
+        agents: Agents) -> None:
+    """The client cancels (notifications/cancelled, sent by the SDK's client
+    when the caller stops waiting) without a progress token: the protocol
+    answers a cancelled request with nothing, so the server's warning log
+    notification names the task id, whether the body had started, and the
+    status tool, which then tells how the call ended (it ran once)."""
+    from celery_tooleffect.agents.mcp_server import CANCEL_LOGGER
+
+    notices: list[dict[str, Any]] = []
+
+    async def on_log(params: types.LoggingMessageNotificationParams) -> None:
+        if params.logger == CANCEL_LOGGER and isinstance(params.data, dict):
+            notices.append(params.data)
+
+    async def cancel(session: ClientSession, key: str, started: Poll) -> None:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as group:
+                group.start_soon(lambda: session.call_tool(
+                    "shop.send_invoice", {"key": key, "cents": 3},
+                    meta={"idempotencyKey": key, "runId": "run-cx"}))
+                await until(started, what=f"{key} to be published or to run")
+                scope.cancel()
+        await until(lambda: any(n["task_id"] == call_task_id(key, "run-cx") for n in notices),
+                    what="the cancelled call's notice")
+
+    # No worker yet: the call is published and stays queued.
+    claims = Keys(f"{agents.prefix}te:").call_claim(call_task_id("cx-queued", "run-cx"))
+
+    async def over_stdio() -> None:
+        async with agents.stdio(logging_callback=on_log) as session:
+            await cancel(session, "cx-queued", lambda: agents.redis.exists(claims))
+
+    anyio.run(over_stdio)
+    assert agents.runs("cx-queued") == 0
+
+    agents.worker()
+    agents.hold("cx-run")
+    url = agents.http_server()
+
+    async def over_http() -> None:
+        headers = {"Authorization": "Bearer s3cret"}
+        async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=120)) \
+                as client, streamable_http_client(url, http_client=client) as (read, write), \
+                ClientSession(read, write, logging_callback=on_log) as session:
+            await session.initialize()
+            await cancel(session, "cx-run", lambda: agents.runs("cx-run") == 1)
+
+    anyio.run(over_http)
+    queued, running = notices
+    for notice, key in ((running, "cx-run"), (queued, "cx-queued")):
+        task_id = call_task_id(key, "run-cx")
+        assert (notice["event"], notice["tool"], notice["task_id"]) == (
+            "cancelled", "shop.send_invoice", task_id)
+        assert f"Ask {STATUS_TOOL} with task_id {task_id} how it ended" in notice["message"]
+    assert (running["status"], running["body_started"]) == ("running", True)
+    assert "it was running: its body had started" in running["message"]
+    assert (queued["status"], queued["body_started"]) == ("queued", False)
+    assert "its body had not started" in queued["message"]
+
+    # The calls go on: the status tool tells how each ended.
+    agents.release("cx-run")
+
+    async def ask() -> list[types.CallToolResult]:
+        answers = []
+        async with agents.stdio() as session:
+            for key in ("cx-run", "cx-queued"):
+                with anyio.fail_after(30):
+                    while True:
+                        answer = await session.call_tool(
+                            STATUS_TOOL, {"task_id": call_task_id(key, "run-cx"),
+                                          "run_id": "run-cx"})
+                        assert answer.structured_content is not None
+                        if answer.structured_content["status"] == "succeeded":
+                            answers.append(answer)
+                            break
+                        await anyio.sleep(0.1)
+        return answers
+
+    ran, later = anyio.run(ask)
+    assert text(ran) == "INV-cx-run-1" and text(later) == "INV-cx-queued-1"
+    assert agents.runs("cx-run") == 1 and agents.runs("cx-queued") == 1
+
+
+def test_a_sessionless_http_request_with_a_key_and_no_run_is_refused(agents: Agents) -> None:
+    """``mcp.Client`` over HTTP negotiates 2026-07-28: no session, so no run
+    but the one it sends. A key without ``runId`` is refused (not bound to a
+    server-wide run that another client's ``call_0`` would share); with
+    ``runId`` it is one call; without a key each request is a call of its own."""
+    from mcp import Client
+
+    agents.worker()
+    url = agents.http_server(token=None)
+
+    async def scenario() -> tuple[str, list[types.CallToolResult]]:
+        async with Client(url) as client:
+            answers = [await client.call_tool("shop.send_invoice", {"key": "sl", "cents": 1},
+                                              meta={"idempotencyKey": "call_0"})]
+            for _ in range(2):
+                answers.append(await client.call_tool(
+                    "shop.send_invoice", {"key": "sl", "cents": 1},
+                    meta={"idempotencyKey": "call_0", "runId": "conv-1"}))
+            for _ in range(2):
+                answers.append(await client.call_tool("shop.send_invoice",
+                                                      {"key": "sl-free", "cents": 1}))
+            return str(client.protocol_version), answers
+
+    version, (refused, first, again, free_1, free_2) = anyio.run(scenario)
+    assert version == "2026-07-28"
+    assert refused.is_error and refused.structured_content is not None
+    assert refused.structured_content["status"] == "refused"
+    assert text(refused).startswith("shop.send_invoice was not called: an idempotencyKey "
+                                    "needs a run")
+    assert text(first) == text(again) == "INV-sl-1"
+    assert agents.runs("sl") == 1
+    assert {text(free_1), text(free_2)} == {"INV-sl-free-1", "INV-sl-free-2"}

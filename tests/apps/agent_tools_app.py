@@ -52,6 +52,10 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
         tooleffect_agent_result_wait=60.0,
         tooleffect_agent_max_argument_bytes=4096,
     ))
+    if os.environ.get("TE_MCP_TRUST"):  # "host|origin": what a deployment trusts
+        host, origin = os.environ["TE_MCP_TRUST"].split("|")
+        app.conf.update(tooleffect_mcp_allowed_hosts=[host],
+                        tooleffect_mcp_allowed_origins=[origin])
     counters = redis.Redis.from_url(REDIS_URL)
 
     def count(key: str) -> int:
@@ -101,6 +105,16 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
             """Tag an order; answers its tags as a set, which JSON cannot encode."""
             count(key)
             return {key}
+
+    @app.task(base=ToolTask, name="shop.export", shared=False)
+    def export(chars: int) -> str:
+        """Export the catalog: ``chars`` characters of two UTF-8 bytes each."""
+        return "\u00e9" * chars
+
+    @app.task(name="plain.echo", shared=False)
+    def echo(text: str) -> str:
+        """A plain Celery task, no tool: no agent may read its result."""
+        return f"plain {text}"
 
     if os.environ.get("TE_UNTYPED_TOOL"):
         @app.task(base=ToolTask, name="shop.untyped", shared=False)
