@@ -7,6 +7,7 @@ back to a default, and no setting may relabel a tool's effect.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import math
 import sys
@@ -178,11 +179,27 @@ def refuse_unknown_settings(conf: Mapping[str, Any]) -> None:
         if isinstance(key, str) and key.lower().startswith(PREFIX) and key.lower() not in DEFAULTS
     )
     if unknown:
-        raise ConfigurationError(
-            f"unknown setting(s) {', '.join(unknown)}: celery-tooleffect settings are "
-            f"{', '.join(sorted(DEFAULTS))}; a tool's effect is declared in code "
-            "and cannot be configured"
-        )
+        raise ConfigurationError(unknown_settings_message(unknown))
+
+
+def unknown_settings_message(unknown: list[str]) -> str:
+    """What an app with the ``unknown`` settings is told: each with the setting
+    it most likely meant ("did you mean ..."), the settings' list only when one
+    has no close match, and the word on effects only for a key that names one."""
+    named = []
+    unmatched = False
+    for key in unknown:
+        close = difflib.get_close_matches(key.lower(), DEFAULTS, n=1, cutoff=0.75)
+        named.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        unmatched = unmatched or not close
+    message = f"unknown setting(s) {', '.join(named)}"
+    if unmatched:
+        message += f": celery-tooleffect settings are {', '.join(sorted(DEFAULTS))}"
+    else:
+        message += ": every setting is listed in docs/configuration.md"
+    if any("effect" in key.lower()[len(PREFIX):] for key in unknown):
+        message += "; a tool's effect is declared in code (effect=...) and cannot be configured"
+    return message
 
 
 def _read(app: Celery) -> Settings:
