@@ -34,7 +34,8 @@ from .base import (
 )
 
 
-@click.group(cls=ToolEffectGroup)
+@click.group(cls=ToolEffectGroup,
+             short_help="Calls awaiting approval: list, show, approve, reject, stats.")
 def approvals() -> None:
     """Calls that wait for a person's approval: list, show, approve, reject, stats."""
 

@@ -28,9 +28,10 @@ from .base import (
 JSON_DOCS = "stable, see docs/operations.md#json-output"
 
 
-@click.group(cls=ToolEffectGroup)
+@click.group(cls=ToolEffectGroup, short_help="Audit trails: show, verify, tail.")
 def audit() -> None:
-    """Audit trails: one run's events, or the newest events of all runs."""
+    """Audit trails: one run's events (show), its hash chain (verify), or the
+    newest events of all runs (tail)."""
 
 
 _EVENT_HEADERS = ["SEQ", "TIME (UTC)", "TASK ID", "TOOL", "PHASE", "STATUS", "TRY", "CLASS",

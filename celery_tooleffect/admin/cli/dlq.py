@@ -40,7 +40,7 @@ JSON_DOCS = "stable, see docs/operations.md#json-output"
 
 @click.group(cls=ToolEffectGroup)
 def dlq() -> None:
-    """Dead letters: list, show, replay, purge, stats."""
+    """Dead letters: list, show, replay, purge, reconcile, stats."""
 
 
 def _filters(command: Any) -> Any:

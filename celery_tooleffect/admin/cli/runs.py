@@ -22,7 +22,7 @@ from .base import (
 
 @click.group(cls=ToolEffectGroup)
 def runs() -> None:
-    """Agent runs: every call of one run, from its audit trail."""
+    """Agent runs: show every call of one run, from its audit trail."""
 
 
 @runs.command("show", needs=NEEDS_STORE)
