@@ -170,7 +170,8 @@ def test_a_run_page_lists_a_chain_and_a_dead_letter_in_order(
     assert [call["effect"] for call in calls[:3]] == ["read_only", "idempotent_write",
                                                       "non_idempotent_write"]
     assert calls[3]["task_id"] == wrong.id and calls[3]["dead_letter_reason"]
-    assert calls[2]["attempts"] == 1 and calls[2]["spans"][0]["status"] == "succeeded"
+    assert calls[2]["attempts"] == calls[2]["bodies"] == 1
+    assert calls[2]["spans"][0]["status"] == "succeeded"
     assert page["next_cursor"] is None
     status, html_page = _request(f"{flower.url}/runs/{run_id}", user=USER)
     assert status == 200
