@@ -63,6 +63,9 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_agent_result_wait": 300.0,
     "tooleffect_agent_max_argument_bytes": 256 * 1024,
     "tooleffect_mcp_token": None,
+    # Flower's /metrics, with the package's gauges in it, asks for Flower's
+    # authentication (--basic-auth, --auth) when Flower has one.
+    "tooleffect_flower_metrics_auth": True,
 }
 
 
@@ -128,6 +131,9 @@ class Settings:
     agent_max_argument_bytes: int = 256 * 1024
     #: The bearer token the MCP server asks of HTTP clients (None: none set).
     mcp_token: str | None = field(default=None, repr=False)
+    #: Flower's ``/metrics`` asks for Flower's authentication, when it has one
+    #: (``tooleffect_flower_metrics_auth``; False: it answers anyone, as Flower's own).
+    flower_metrics_auth: bool = True
 
     @property
     def store_endpoint(self) -> RedisEndpoint:
@@ -289,7 +295,16 @@ def _read(app: Celery) -> Settings:
         agent_max_argument_bytes=int(get("tooleffect_agent_max_argument_bytes")),
         mcp_token=(str(conf["tooleffect_mcp_token"]) if conf.get("tooleffect_mcp_token")
                    else None),
+        flower_metrics_auth=_flag(get, "tooleffect_flower_metrics_auth"),
     )
+
+
+def _flag(get: Any, key: str) -> bool:
+    """Setting ``key``: True or False."""
+    value = get(key)
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{key} must be True or False, not {value!r}")
+    return value
 
 
 def _seconds(get: Any, key: str) -> float:

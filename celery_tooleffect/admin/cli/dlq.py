@@ -8,7 +8,6 @@ ever the operator's why, written in the audit event of a replay or purge.
 
 from __future__ import annotations
 
-import json
 import sys
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,6 +19,7 @@ from ...store.dead_letters import Cursor
 from ..filters import DEAD_LETTER_REASONS, EFFECTS, FAILURE_CLASSES, dead_letter_query
 from ..operations import ActionResult, default_actor
 from ..table import WHOLE, key_values, render, terminal_width
+from ..visible import escape, visible_json
 from .base import (
     NEEDS_BOTH,
     NEEDS_DEAD_LETTERS,
@@ -203,8 +203,9 @@ def dlq_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
                          ("body (base64)", message.get("body_base64"))):
         if value in (None, "", [], {}):
             continue
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
-                                                               default=str)
+        # Nothing invisible: a hidden character is shown escaped (\u202e).
+        text = escape(value) if isinstance(value, str) else visible_json(value,
+                                                                          sort_keys=False)
         click.echo(f"\n{title}:")
         click.echo(textwrap.fill(text, width=width, initial_indent="  ",
                                  subsequent_indent="  ", break_long_words=True))
