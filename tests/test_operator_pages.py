@@ -194,7 +194,9 @@ def test_hidden_characters_in_arguments_are_shown_escaped_and_the_digest_is_over
     assert decision(app, call.id)["shown_digest"] == shown["digest"]
 
 
-def test_a_dead_letters_hidden_characters_are_shown_escaped(app: Celery, prefix: str) -> None:
+def test_a_dead_letters_hidden_characters_are_shown_escaped(
+    app: Celery, prefix: str, start_flower: Callable[..., FlowerProcess],
+) -> None:
     """``dlq show`` (text and --json) and the dead letter's page escape them too."""
     key = "refund \u202e0001"
     letter = letter_of_call(app, task_id=f"hidden-{uuid.uuid4().hex[:6]}", name="tools.write",
@@ -207,9 +209,15 @@ def test_a_dead_letters_hidden_characters_are_shown_escaped(app: Celery, prefix:
     assert shown.returncode == 0, shown.stderr
     assert "\u202e" not in shown.stdout and "\u2066" not in shown.stdout
     assert "refund \\u202e0001" in shown.stdout and "note\\u2066" in shown.stdout
+    assert "bad \\u202eamount" in shown.stdout
     as_json = cli(prefix, "dlq", "show", letter.task_id, "--json")
     assert "\u202e" not in as_json.stdout
     assert json.loads(as_json.stdout)["dead_letter"]["args"] == [key]
+
+    flower = start_flower(f"--basic-auth={USER}")
+    status, page = _request(f"{flower.url}/dead-letters/{letter.task_id}", user=USER)
+    assert status == 200 and "\u202e" not in page and "\u2066" not in page
+    assert "refund \\u202e0001" in page and "bad \\u202eamount" in page
 
 
 # -- a run's timeline -----------------------------------------------------------------------
