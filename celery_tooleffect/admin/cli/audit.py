@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,6 +12,7 @@ import click
 from ...events import AuditEvent
 from ...store.audit import text
 from ..table import layout, render, terminal_width
+from ..visible import visible_json
 from .base import (
     EXIT_REFUSED,
     NEEDS_STORE,
@@ -181,7 +181,7 @@ def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool,
         def emit(event: AuditEvent) -> None:
             if as_json:
                 # As the stream holds it: its fields' text, not parsed.
-                click.echo(json.dumps(dict(event), sort_keys=True, ensure_ascii=False))
+                click.echo(visible_json(dict(event)))
             else:
                 click.echo(table.line(_tail_row(event)))
 
