@@ -7,6 +7,7 @@ back to a default, and no setting may relabel a tool's effect.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import math
 import sys
@@ -69,6 +70,9 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_mcp_token": None,
     "tooleffect_mcp_allowed_hosts": (),
     "tooleffect_mcp_allowed_origins": (),
+    # Flower's /metrics, with the package's gauges in it, asks for Flower's
+    # authentication (--basic-auth, --auth) when Flower has one.
+    "tooleffect_flower_metrics_auth": True,
 }
 
 
@@ -145,6 +149,9 @@ class Settings:
     #: ``tooleffect_mcp_allowed_origins``; ``name:*`` for any port).
     mcp_allowed_hosts: tuple[str, ...] = ()
     mcp_allowed_origins: tuple[str, ...] = ()
+    #: Flower's ``/metrics`` asks for Flower's authentication, when it has one
+    #: (``tooleffect_flower_metrics_auth``; False: it answers anyone, as Flower's own).
+    flower_metrics_auth: bool = True
 
     @property
     def store_endpoint(self) -> RedisEndpoint:
@@ -205,11 +212,27 @@ def refuse_unknown_settings(conf: Mapping[str, Any]) -> None:
         if isinstance(key, str) and key.lower().startswith(PREFIX) and key.lower() not in DEFAULTS
     )
     if unknown:
-        raise ConfigurationError(
-            f"unknown setting(s) {', '.join(unknown)}: celery-tooleffect settings are "
-            f"{', '.join(sorted(DEFAULTS))}; a tool's effect is declared in code "
-            "and cannot be configured"
-        )
+        raise ConfigurationError(unknown_settings_message(unknown))
+
+
+def unknown_settings_message(unknown: list[str]) -> str:
+    """What an app with the ``unknown`` settings is told: each with the setting
+    it most likely meant ("did you mean ..."), the settings' list only when one
+    has no close match, and the word on effects only for a key that names one."""
+    named = []
+    unmatched = False
+    for key in unknown:
+        close = difflib.get_close_matches(key.lower(), DEFAULTS, n=1, cutoff=0.75)
+        named.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        unmatched = unmatched or not close
+    message = f"unknown setting(s) {', '.join(named)}"
+    if unmatched:
+        message += f": celery-tooleffect settings are {', '.join(sorted(DEFAULTS))}"
+    else:
+        message += ": every setting is listed in docs/configuration.md"
+    if any("effect" in key.lower()[len(PREFIX):] for key in unknown):
+        message += "; a tool's effect is declared in code (effect=...) and cannot be configured"
+    return message
 
 
 def _read(app: Celery) -> Settings:
@@ -288,7 +311,7 @@ def _read(app: Celery) -> Settings:
         dead_letter_store=broker_redis or store,
         broker_redis=broker_redis,
         allow_eviction=bool(get("tooleffect_allow_eviction")),
-        allow_volatile_store=_flag(conf, "tooleffect_allow_volatile_store"),
+        allow_volatile_store=_flag(get, "tooleffect_allow_volatile_store"),
         store_replicas=replicas,
         store_fsync=fsync,
         store_wait_timeout=wait_timeout,
@@ -303,6 +326,7 @@ def _read(app: Celery) -> Settings:
                    else None),
         mcp_allowed_hosts=_names(get, "tooleffect_mcp_allowed_hosts"),
         mcp_allowed_origins=_names(get, "tooleffect_mcp_allowed_origins"),
+        flower_metrics_auth=_flag(get, "tooleffect_flower_metrics_auth"),
     )
 
 
@@ -324,6 +348,14 @@ def _names(get: Any, key: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in names)
 
 
+def _flag(get: Any, key: str) -> bool:
+    """Setting ``key``: True or False."""
+    value = get(key)
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{key} must be True or False, not {value!r}")
+    return value
+
+
 def _seconds(get: Any, key: str) -> float:
     """Setting ``key``: a number of seconds, 0 or more."""
     value = get(key)
@@ -334,17 +366,6 @@ def _seconds(get: Any, key: str) -> float:
     if isinstance(value, bool) or not 0 <= seconds < float("inf"):
         raise ConfigurationError(f"{key} must be a number of seconds, 0 or more, not {value!r}")
     return seconds
-
-
-def _flag(conf: Mapping[str, Any], key: str) -> bool:
-    """Setting ``key``: True or False (its default when unset); anything else
-    is refused, so that a string such as ``"no"`` never reads as true."""
-    value = conf.get(key)
-    if value is None:
-        return bool(DEFAULTS[key])
-    if not isinstance(value, bool):
-        raise ConfigurationError(f"{key} must be True or False, not {value!r}")
-    return value
 
 
 def atomic_fetch_enabled(conf: Mapping[str, Any]) -> bool:

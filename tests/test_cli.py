@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -369,6 +370,16 @@ def test_non_idempotent_write_needs_force_and_a_reason(tools: Tools) -> None:
         assert forced.exit_code == 0, forced.output
         succeeded(app, write.task_id)
     assert tools.counter.value("nw") == 2
+    # The run's page counts both bodies (the replay's attempt numbers start
+    # again at 1) and tells how the call ended, not how its first run did.
+    [call] = as_json(invoke(app, "runs", "show", write.run_id, "--json"))["calls"]
+    assert (call["state"], call["bodies"], call["attempts"]) == ("succeeded", 2, 1)
+    assert call["failure_class"] is None and call["dead_letter_reason"] is None
+    shown = invoke(app, "runs", "show", write.run_id, "--wide")
+    [row] = [line for line in shown.stdout.splitlines() if write.task_id in line]
+    assert "RUNS" in shown.stdout.splitlines()[0]
+    assert row.split()[-6:] == ["non_idempotent_write", "succeeded", "2",
+                                f"{call['duration_ms']:.1f}", "outcome", "succeeded"], row
     replay = [e for e in events_of(app, write.run_id) if e["phase"] == "replayed"]
     assert replay[0]["forced"] == "1"
     assert replay[0]["reason"] == "customer confirmed nothing was sent"
@@ -575,7 +586,8 @@ def test_audit_show_and_tail(tools: Tools) -> None:
     shown = invoke(app, "audit", "show", run_id)
     assert shown.exit_code == 0, shown.output
     lines = shown.stdout.splitlines()
-    assert lines[0].startswith("SEQ") and all(len(line) <= WIDTH for line in lines)
+    assert lines[0].endswith(" (UTC)") and lines[1].startswith("UTC ")
+    assert all(len(line) <= WIDTH for line in lines)
     assert any("intent" in line and "started" in line for line in lines)
     assert any("outcome" in line and "succeeded" in line for line in lines)
     data = as_json(invoke(app, "audit", "show", run_id, "--json"))
@@ -778,11 +790,20 @@ def test_tables_keep_task_ids_and_tool_names_whole_at_80_columns(tools: Tools) -
     assert all(len(line) <= 80 for line in lines), table.stdout
     for letter in stored:
         [row] = [line for line in lines if letter.task_id in line]
-        # Both whole: never "billing.too…".
-        assert row.split()[0] == letter.task_id and letter.name in row.split()
-    assert "…" not in table.stdout
-    assert any(line.startswith("Not shown:") for line in lines)
+        # What an operator reads first: the reason and the class whole, the
+        # exception cut; the task id whole, never "3f2a…".
+        cells = row.split()
+        assert cells[:3] == [letter.task_id, "retries_exhausted", "connection"]
+        assert cells[3].startswith("Connect") and cells[3].endswith("…")
+        # The tool does not fit whole beside them: left out, never cut.
+        assert not any(cell.startswith("billing") for cell in cells)
+    assert any(line.startswith("Not shown:") and "TOOL" in line for line in lines)
     assert "--wide" in table.stdout and lines[-1] == "3 shown of 3"
+    # With room for it, the tool is there, whole.
+    roomy = invoke(app, "dlq", "list", width=120)
+    for letter in stored:
+        [row] = [line for line in roomy.stdout.splitlines() if letter.task_id in line]
+        assert letter.name in row.split() and "retries_exhausted" in row.split()
 
     wide = invoke(app, "dlq", "list", "--wide", width=80)
     assert wide.exit_code == 0, wide.output
@@ -822,10 +843,20 @@ def test_audit_tables_keep_task_ids_and_tool_names_whole_at_80_columns(tools: To
     assert shown.exit_code == 0, shown.output
     lines = shown.stdout.splitlines()
     assert all(len(line) <= 80 for line in lines), shown.stdout
+    # The time is kept (HH:MM:SS under the day, all the events being of one
+    # day), the task id, the phase and the status; the tool when it fits.
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2} \(UTC\)", lines[0])
     for task_id in task_ids:
         rows = [line for line in lines if task_id in line]
-        assert len(rows) == 2 and all(tool in row.split() for row in rows)
+        assert len(rows) == 2
+        for row, phase in zip(rows, ("intent", "outcome"), strict=True):
+            cells = row.split()
+            at = cells.index(task_id)
+            assert re.fullmatch(r"\d{2}:\d{2}:\d{2}", cells[at - 1])
+            assert cells[at + 1] == phase
     assert any(line.startswith("Not shown:") for line in lines)
+    roomy = invoke(app, "audit", "show", run_id, width=100)
+    assert all(tool in line.split() for line in roomy.stdout.splitlines() if task_ids[0] in line)
     wide_show = invoke(app, "audit", "show", run_id, "--wide", width=80)
     assert "celery@a-rather-long-worker-hostname:4242" in wide_show.stdout
     assert "ConnectionRefusedError" in wide_show.stdout and "TIME (UTC)" in wide_show.stdout

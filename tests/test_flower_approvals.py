@@ -62,7 +62,7 @@ def park(app: Celery, name: str, *args: Any) -> Any:
 
 def pending_gauge(flower: FlowerProcess) -> dict[tuple[str, str], float]:
     """The samples of ``tooleffect_approvals_pending`` on Flower's /metrics, by (queue, tool)."""
-    status, text = _request(f"{flower.url}/metrics")
+    status, text = _request(f"{flower.url}/metrics", user=USER)
     assert status == 200, text
     found: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):

@@ -15,9 +15,12 @@ warning) while the rest of the registry is served.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -366,3 +369,58 @@ def test_grafana_dashboard_is_well_formed_and_queries_the_metrics() -> None:
                     "by (tooleffect_outcome)", 'tooleffect_result="failed"'):
         assert grouped in text, grouped
     assert "histogram_quantile(0.5" in text and "histogram_quantile(0.99" in text
+
+
+# -- who may read /metrics ------------------------------------------------------------------
+
+USER = "ops:s3cret"
+
+
+def _scrape(url: str, user: str | None = None) -> tuple[int, str, dict[str, str]]:
+    request = urllib.request.Request(f"{url}/metrics")
+    if user:
+        request.add_header("Authorization",
+                           "Basic " + base64.b64encode(user.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return (int(response.status), response.read().decode(),
+                    {name.lower(): value for name, value in response.headers.items()})
+    except urllib.error.HTTPError as error:
+        return (int(error.code), error.read().decode(),
+                {name.lower(): value for name, value in error.headers.items()})
+
+
+def _families(text: str) -> set[str]:
+    return {family.name for family in text_string_to_metric_families(text)}
+
+
+def test_metrics_ask_for_flowers_basic_auth_unless_the_setting_opens_them(
+    make_app: Callable[..., Celery], start_flower: Callable[..., FlowerProcess],
+) -> None:
+    """By default (``tooleffect_flower_metrics_auth`` True) Flower's /metrics, its own
+    series and the package's, asks for the --basic-auth credentials; set to
+    False, it answers anyone, as Flower alone does."""
+    app = make_app()
+    DeadLetters(app).store(DeadLetter(
+        task_id=str(uuid.uuid4()), name="tools.write", queue="tools",
+        reason="retries_exhausted", failure_class="connection",
+        effect="non_idempotent_write", run_id="run-metrics", attempts=4))
+
+    guarded = start_flower(f"--basic-auth={USER}")
+    status, text, headers = _scrape(guarded.url)
+    assert status == 401 and headers.get("www-authenticate") == 'Basic realm="flower"'
+    assert DEAD_LETTERS_GAUGE not in text and "flower_" not in text
+    assert _scrape(guarded.url, "ops:wrong")[0] == 401
+    status, text, _ = _scrape(guarded.url, USER)
+    assert status == 200, text
+    families = _families(text)
+    assert {DEAD_LETTERS_GAUGE, APPROVALS_GAUGE, OLDEST_DEAD_LETTER_GAUGE} <= families
+    assert any(name.startswith("flower_") for name in families)  # Flower's own too
+
+    opened = start_flower(f"--basic-auth={USER}", TE_FLOWER_METRICS_AUTH="0")
+    status, text, _ = _scrape(opened.url)
+    assert status == 200, text
+    assert {DEAD_LETTERS_GAUGE, APPROVALS_GAUGE} <= _families(text)
+    # The pages stay behind Flower's authentication either way.
+    assert _request(f"{opened.url}/api/dead-letters")[0] == 401
+    assert _request(f"{guarded.url}/api/dead-letters", user=USER)[0] == 200

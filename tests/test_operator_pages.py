@@ -11,6 +11,7 @@ and ``run.png`` beside it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -31,6 +32,7 @@ from celery_tooleffect.store.runtime import runtime_for
 from tests import test_flower as base
 from tests import test_flower_approvals as approvals_tests
 from tests.conftest import REDIS_URL, TESTS, Counter, WorkerProcess, wait_for
+from tests.letters import letter_of_call
 from tests.test_flower import FlowerProcess, _request, click, wait_css
 
 pytestmark = pytest.mark.timeout(240)
@@ -139,6 +141,85 @@ def test_arguments_that_cannot_be_shown_are_hidden_saying_why_and_the_call_is_de
     assert event["shown_problem"].startswith("the tool's approval_view raised RuntimeError")
 
 
+def test_hidden_characters_in_arguments_are_shown_escaped_and_the_digest_is_over_the_values(
+    app: Celery, prefix: str, spawn_worker: Callable[..., WorkerProcess],
+    start_flower: Callable[..., FlowerProcess], counter: Counter,
+) -> None:
+    """A right-to-left override (U+202E) and a zero-width space in an argument
+    reach no approver raw: the pages, the CLI and the API escape or name them,
+    and what is decided (the digest) is still over the values themselves."""
+    spawn_worker(concurrency=1)
+    flower = start_flower(f"--basic-auth={USER}")
+    # Reads "...acct42 0001" where the value ends in "1000".
+    key = uuid.uuid4().hex[:8] + "acct\u200b42 \u202e1000"
+    call = park(app, "tools.approved_write", key)
+    raw = ("\u202e", "\u200b")
+
+    status, body = _request(f"{flower.url}/api/approvals/{call.id}", user=USER)
+    assert status == 200, body
+    shown = json.loads(body)["shown"]
+    assert shown["args"] == [key]  # the values themselves, for a program
+    assert shown["invisible"] == ["U+200B ZERO WIDTH SPACE", "U+202E RIGHT-TO-LEFT OVERRIDE"]
+    values = json.dumps({"args": [key], "kwargs": {}, "problem": None}, sort_keys=True,
+                        ensure_ascii=False, separators=(",", ":"))
+    assert shown["digest"] == hashlib.sha256(values.encode()).hexdigest()
+
+    status, page = _request(f"{flower.url}/approvals/{call.id}", user=USER)
+    assert status == 200
+    assert not any(char in page for char in raw)
+    assert "acct\\u200b42 \\u202e1000" in page and 'id="ap-invisible"' in page
+    assert "U+202E RIGHT-TO-LEFT OVERRIDE" in page
+    status, listing = _request(f"{flower.url}/approvals", user=USER)
+    assert status == 200 and not any(char in listing for char in raw)
+    assert "\\u202e1000" in listing and "approval-invisible" in listing
+
+    human = cli(prefix, "approvals", "show", call.id)
+    assert human.returncode == 0, human.stderr
+    assert not any(char in human.stdout for char in raw)
+    assert "\\u202e1000" in human.stdout
+    assert "warning: the arguments hold 2 kind(s) of invisible" in " ".join(human.stdout.split())
+    listed = cli(prefix, "approvals", "list", "--wide")
+    assert call.id in listed.stdout and not any(char in listed.stdout for char in raw)
+    as_json = cli(prefix, "approvals", "show", call.id, "--json")
+    assert not any(char in as_json.stdout for char in raw)
+    assert json.loads(as_json.stdout)["shown"]["args"] == [key]  # the same JSON value
+
+    # Deciding on what was shown: the digest is the values'.
+    status, body = _request(f"{flower.url}/api/approvals/{call.id}/approve", method="POST",
+                            user=USER, body={"reason": "read the escapes",
+                                             "shown_digest": shown["digest"]},
+                            headers={"Origin": flower.url})
+    assert status == 200, body
+    assert call.get(timeout=60) == key and counter.value(key) == 1
+    assert decision(app, call.id)["shown_digest"] == shown["digest"]
+
+
+def test_a_dead_letters_hidden_characters_are_shown_escaped(
+    app: Celery, prefix: str, start_flower: Callable[..., FlowerProcess],
+) -> None:
+    """``dlq show`` (text and --json) and the dead letter's page escape them too."""
+    key = "refund \u202e0001"
+    letter = letter_of_call(app, task_id=f"hidden-{uuid.uuid4().hex[:6]}", name="tools.write",
+                            args=[key], kwargs={"note\u2066": "x"}, run_id="run-hidden",
+                            reason="not_retryable", failure_class="unknown",
+                            effect="non_idempotent_write", exception_type="ValueError",
+                            error="ValueError: bad \u202eamount")
+    assert DeadLetters(app).store(letter)
+    shown = cli(prefix, "dlq", "show", letter.task_id)
+    assert shown.returncode == 0, shown.stderr
+    assert "\u202e" not in shown.stdout and "\u2066" not in shown.stdout
+    assert "refund \\u202e0001" in shown.stdout and "note\\u2066" in shown.stdout
+    assert "bad \\u202eamount" in shown.stdout
+    as_json = cli(prefix, "dlq", "show", letter.task_id, "--json")
+    assert "\u202e" not in as_json.stdout
+    assert json.loads(as_json.stdout)["dead_letter"]["args"] == [key]
+
+    flower = start_flower(f"--basic-auth={USER}")
+    status, page = _request(f"{flower.url}/dead-letters/{letter.task_id}", user=USER)
+    assert status == 200 and "\u202e" not in page and "\u2066" not in page
+    assert "refund \\u202e0001" in page and "bad \\u202eamount" in page
+
+
 # -- a run's timeline -----------------------------------------------------------------------
 
 
@@ -170,7 +251,8 @@ def test_a_run_page_lists_a_chain_and_a_dead_letter_in_order(
     assert [call["effect"] for call in calls[:3]] == ["read_only", "idempotent_write",
                                                       "non_idempotent_write"]
     assert calls[3]["task_id"] == wrong.id and calls[3]["dead_letter_reason"]
-    assert calls[2]["attempts"] == 1 and calls[2]["spans"][0]["status"] == "succeeded"
+    assert calls[2]["attempts"] == calls[2]["bodies"] == 1
+    assert calls[2]["spans"][0]["status"] == "succeeded"
     assert page["next_cursor"] is None
     status, html_page = _request(f"{flower.url}/runs/{run_id}", user=USER)
     assert status == 200

@@ -27,6 +27,7 @@ from ..store.runtime import runtime_for
 from ..worker.approvals import decide, expire_overdue
 from .operations.results import ActionResult, Outcome, default_actor
 from .operations.stores import STORE_ERRORS
+from .visible import invisible
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -89,10 +90,20 @@ class ShownArguments:
         """SHA-256 of what is shown (canonical JSON): audited with the decision."""
         return hashlib.sha256(_canonical(self._shown()).encode("utf-8")).hexdigest()
 
+    @property
+    def invisible(self) -> list[str]:
+        """The invisible or text-reordering characters in what is shown
+        (``["U+202E RIGHT-TO-LEFT OVERRIDE"]``): the pages and the CLI show
+        them escaped and warn of them (:mod:`..visible`)."""
+        return invisible(self._shown())
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe: ``approvals show --json``'s ``shown`` and the API's."""
+        """JSON-safe: ``approvals show --json``'s ``shown`` and the API's. The
+        values are the call's own (the digest is over them); ``invisible``
+        names the characters in them that a person would not see."""
         return {"args": self.args, "kwargs": self.kwargs, "view": self.view,
-                "problem": self.problem or None, "digest": self.digest}
+                "problem": self.problem or None, "digest": self.digest,
+                "invisible": self.invisible}
 
     def audit_details(self, privacy: str) -> dict[str, str]:
         """What the decision's audit event records of it: the digest (and the

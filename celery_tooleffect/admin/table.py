@@ -28,6 +28,8 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .visible import escape
+
 GAP = "  "
 #: The width a cell of a ``shrink`` column may be cut to while any optional
 #: column is still shown; narrower only when nothing else can give.
@@ -50,8 +52,10 @@ def terminal_width(default: int = DEFAULT_WIDTH) -> int:
 
 
 def flat(value: object) -> str:
-    """``value`` as one line: every run of whitespace one space."""
-    return " ".join(str(value).split())
+    """``value`` as one line: every run of whitespace one space, and every
+    invisible or text-reordering character escaped (:func:`~.visible.escape`:
+    ``\u202e``), so that a cell shows all it holds."""
+    return " ".join(escape(part) for part in str(value).split())
 
 
 def cut(value: str, width: int) -> str:

@@ -34,9 +34,14 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import anyio
-import anyio.from_thread
-import anyio.to_thread
+from .extras import ANY_AGENT_EXTRA, missing_extra
+
+try:
+    import anyio
+    import anyio.from_thread
+    import anyio.to_thread
+except ModuleNotFoundError as exc:  # no agent extra installed
+    raise missing_extra(exc, __name__, ANY_AGENT_EXTRA) from exc
 from celery import states as celery_states
 from celery.exceptions import TimeoutError as ResultTimeout
 from kombu.exceptions import OperationalError

@@ -26,9 +26,14 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Annotated, Any
 
-import pydantic
-from langchain_core.runnables import RunnableConfig
-from langchain_core.tools import InjectedToolCallId, StructuredTool, ToolException
+from .extras import missing_extra
+
+try:
+    import pydantic
+    from langchain_core.runnables import RunnableConfig
+    from langchain_core.tools import InjectedToolCallId, StructuredTool, ToolException
+except ModuleNotFoundError as exc:
+    raise missing_extra(exc, __name__, "langchain") from exc
 
 from ..errors import ToolSchemaError
 from ..task import ToolTask

@@ -27,8 +27,13 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from agents import FunctionTool, RunContextWrapper
-from agents.tool_context import ToolContext
+from .extras import missing_extra
+
+try:
+    from agents import FunctionTool, RunContextWrapper
+    from agents.tool_context import ToolContext
+except ModuleNotFoundError as exc:
+    raise missing_extra(exc, __name__, "openai-agents") from exc
 
 from ..task import ToolTask
 from .calls import STATUS_TOOL, CallReport, ToolCaller

@@ -24,7 +24,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic_ai import ModelRetry, RunContext, Tool, ToolFailed, ToolReturn
+from .extras import missing_extra
+
+try:
+    from pydantic_ai import ModelRetry, RunContext, Tool, ToolFailed, ToolReturn
+except ModuleNotFoundError as exc:
+    raise missing_extra(exc, __name__, "pydantic-ai") from exc
 
 from ..states import CallStatus
 from ..task import ToolTask

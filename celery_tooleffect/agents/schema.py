@@ -18,9 +18,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import pydantic
+from .extras import ANY_AGENT_EXTRA, missing_extra
+
+try:
+    import pydantic
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+except ModuleNotFoundError as exc:  # no agent extra installed
+    raise missing_extra(exc, __name__, ANY_AGENT_EXTRA) from exc
 from celery import Task
-from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from ..effect import ToolEffect
 from ..errors import InvalidToolArguments, ToolSchemaError
@@ -101,8 +106,9 @@ class ToolSpec:
                 raise ToolSchemaError(f"{where} is positional-only; an agent passes "
                                       "arguments by name")
             if parameter.name not in hints:
-                raise ToolSchemaError(f"{where} has no type annotation; an agent is "
-                                      "told each argument's type")
+                raise ToolSchemaError(f"{where} has no type annotation: add a type "
+                                      f"hint ({parameter.name}: str, say); an agent "
+                                      "is told each argument's type")
             default = ... if parameter.default is parameter.empty else parameter.default
             fields[parameter.name] = (hints[parameter.name], default)
         model_name = _FUNCTION_NAME.sub("_", name) + "_arguments"

@@ -36,7 +36,8 @@ class CallSummary:
     #: Unix seconds of its first and last event.
     first_ts: float = 0.0
     last_ts: float = 0.0
-    #: The highest attempt number an event names (0: none named one).
+    #: The highest attempt number an event names (0: none named one); a
+    #: replay starts the numbers again, :attr:`bodies` counts every run.
     attempts: int = 0
     #: Each attempt's body as ``(start, end, status)`` in unix seconds
     #: (``end`` None while it runs, or when it never reported).
@@ -57,6 +58,12 @@ class CallSummary:
     partial: bool = False
 
     @property
+    def bodies(self) -> int:
+        """How many times its body started: every attempt, and every run after
+        a replay (whose attempt numbers start again at 1), counted."""
+        return len(self.spans)
+
+    @property
     def duration_ms(self) -> float:
         """Milliseconds its bodies ran, summed over the attempts that reported."""
         return sum((end - start) * 1000 for start, end, _ in self.spans if end is not None)
@@ -67,6 +74,7 @@ class CallSummary:
             "task_id": self.task_id, "tool": self.tool, "effect": self.effect,
             "queue": self.queue, "state": self.state, "last": self.last,
             "first_ts": self.first_ts, "last_ts": self.last_ts, "attempts": self.attempts,
+            "bodies": self.bodies,
             "duration_ms": round(self.duration_ms, 3),
             "spans": [{"start": start, "end": end, "status": status}
                       for start, end, status in self.spans],
@@ -91,6 +99,9 @@ class CallSummary:
         self.attempts = max(self.attempts, attempt)
         phase, status = event.get("phase", ""), event.get("status", "")
         self.last = f"{phase} {status}".strip()
+        if (phase, status) == ("outcome", "succeeded"):
+            # How an earlier run ended (before a replay) is not how this one did.
+            self.failure_class = self.exception_type = self.dead_letter_reason = ""
         if event.get("failure_class"):
             self.failure_class = event["failure_class"]
         if event.get("exception_type"):

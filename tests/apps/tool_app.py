@@ -73,6 +73,8 @@ app.conf.update(
             os.environ.get("TE_CONSUMER_TIMEOUT") or 1800),
         tooleffect_reconcile_timeout=float(os.environ.get("TE_RECONCILE_TIMEOUT") or 30),
         tooleffect_approval_timeout=float(os.environ.get("TE_APPROVAL_TIMEOUT") or 24 * 3600),
+        # Flower's /metrics behind Flower's authentication (the default) or not.
+        tooleffect_flower_metrics_auth=os.environ.get("TE_FLOWER_METRICS_AUTH", "1") != "0",
         # AMQP heartbeats (seconds): how soon RabbitMQ notices a silent worker.
         broker_heartbeat=float(os.environ.get("TE_BROKER_HEARTBEAT") or 120),
         worker_hijack_root_logger=True,

@@ -70,7 +70,7 @@ def test_the_output_schema_is_an_envelope_around_the_return_type() -> None:
 
 
 @pytest.mark.parametrize(("signature", "why"), [
-    ("def tool(key): pass", "parameter 'key' has no type annotation"),
+    ("def tool(key): pass", "parameter 'key' has no type annotation: add a type hint"),
     ("def tool(*keys: str) -> None: pass", "*args and **kwargs cannot be described"),
     ("def tool(**keys: str) -> None: pass", "*args and **kwargs cannot be described"),
     ("def tool(key: str, /) -> None: pass", "parameter 'key' is positional-only"),

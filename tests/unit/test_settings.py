@@ -265,3 +265,25 @@ def test_hand_made_settings_resolve_their_endpoints_from_their_urls() -> None:
                                redis_url="redis://s:2/1", dead_letter_url="redis://d:3/0")
     assert made.store_endpoint.identity() == ("s", 2, 1, "default", "")
     assert made.dead_letter_endpoint.identity() == ("d", 3, 0, "default", "")
+
+
+@pytest.mark.parametrize(("conf", "said", "unsaid"), [
+    ({"tooleffect_max_retry": 3},
+     "unknown setting(s) tooleffect_max_retry (did you mean tooleffect_max_retries?)",
+     ("tooleffect_backoff_cap", "effect is declared")),
+    ({"tooleffect_privacy_level": "full"}, "(did you mean tooleffect_privacy?)",
+     ("effect is declared",)),
+    ({"tooleffect_effect": "read_only"}, "a tool's effect is declared in code",
+     ("did you mean",)),
+    ({"tooleffect_nothing_like_it": 1}, "celery-tooleffect settings are "
+     "tooleffect_agent_approval_wait, ", ("did you mean", "effect is declared")),
+])
+def test_a_misspelt_setting_is_told_the_one_it_likely_meant(
+        conf: dict[str, Any], said: str, unsaid: tuple[str, ...]) -> None:
+    """An unknown setting names the closest one; the full list only when none
+    is close, the word on effects only for a key about effects."""
+    with pytest.raises(ConfigurationError) as refused:
+        settings_for(app_with(**conf))
+    assert said in str(refused.value)
+    for text in unsaid:
+        assert text not in str(refused.value)

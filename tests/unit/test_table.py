@@ -130,3 +130,44 @@ def test_without_a_terminal_the_width_is_columns_else_80(
     assert terminal_width() == 133
     monkeypatch.delenv("COLUMNS")
     assert terminal_width() == DEFAULT_WIDTH == 80
+
+
+def test_dlq_list_keeps_reason_class_and_exception_at_80_columns() -> None:
+    """What an operator reads first stays; the tool is left out whole when it
+    does not fit beside them, named under the table."""
+    from celery_tooleffect.admin.cli.dlq import letter_table
+
+    letters = [{"task_id": str(uuid.uuid4()), "dead_lettered_at": 1_764_900_000.0,
+                "queue": "tools", "name": "billing.tools.send_invoice_email",
+                "effect": "non_idempotent_write", "reason": "retries_exhausted",
+                "failure_class": failure_class, "attempts": 4,
+                "exception_type": "ConnectionRefusedError", "body_completed": False,
+                "late_outcomes": 0} for failure_class in ("connection", "not_retryable")]
+    lines = letter_table(letters, width=80).splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert lines[0].split()[:4] == ["TASK", "ID", "REASON", "CLASS"]
+    for letter, line in zip(letters, lines[2:4], strict=True):
+        cells = line.split()
+        assert cells[:3] == [letter["task_id"], "retries_exhausted", letter["failure_class"]]
+        assert cells[3].startswith("Connect")
+    assert "TOOL" in lines[4]
+    roomy = letter_table(letters, width=120).splitlines()
+    assert "billing.tools.send_invoice_email" in roomy[2].split()
+
+
+def test_audit_show_keeps_the_time_at_80_columns() -> None:
+    """A run's events of one day show their time as HH:MM:SS under the date."""
+    from celery_tooleffect.admin.cli.audit import event_table
+
+    events = [{"seq": str(seq), "ts": str(1_764_900_000 + seq), "task_id": str(uuid.uuid4()),
+               "tool": "tools.send_invoice", "phase": phase, "status": status,
+               "attempt": "1", "worker": "celery@host"}
+              for seq, (phase, status) in enumerate([("intent", "started"),
+                                                     ("dead_lettered", "retries_exhausted")])]
+    lines = event_table(events, width=80).splitlines()
+    assert lines[0] == "2025-12-05 (UTC)" and all(len(line) <= 80 for line in lines)
+    assert lines[4].split()[-4:] == ["02:00:01", events[1]["task_id"], "dead_lettered",
+                                     "retries_exhausted"]
+    # Events of two days show the whole time.
+    events[1]["ts"] = str(1_764_900_000 + 86_400)
+    assert "2025-12-06 02:00:00Z" in event_table(events, width=120)

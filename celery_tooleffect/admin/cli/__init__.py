@@ -74,23 +74,29 @@ from .tools import tools_command
 __all__ = ["main", "tooleffect"]
 
 
-@click.group(name="tooleffect", cls=ToolEffectGroup)
+#: What ``tooleffect --help`` (and ``celery-tooleffect --help``) says: every command.
+HELP = """celery-tooleffect: dead letters (dlq), calls awaiting approval (approvals),
+audit trails (audit), agent runs (runs), the tools workers declare (tools),
+Flower with the package's pages (flower), the MCP server (mcp)."""
+SHORT_HELP = "Dead letters, approvals, audit, runs, tools, Flower, MCP."
+
+
+@click.group(name="tooleffect", cls=ToolEffectGroup, help=HELP, short_help=SHORT_HELP)
 def tooleffect() -> None:
-    """celery-tooleffect: dead letters, approvals, audit trails, Flower with a Dead letters page."""
+    pass
 
 
 for _command in (dlq, approvals, audit, runs, tools_command, flower_command, mcp_command):
     tooleffect.add_command(_command)
 
 
-@click.group(name="celery-tooleffect", commands=tooleffect.commands)
+@click.group(name="celery-tooleffect", commands=tooleffect.commands, help=HELP)
 @click.option("-A", "--app", "app_name", required=True, metavar="APP",
               help="The Celery app (module or module:attribute), as for celery -A.")
 @click.option("--workdir", type=click.Path(file_okay=False, exists=True),
               help="Change to this folder first (where the app module is found).")
 @click.pass_context
 def main(ctx: click.Context, app_name: str, workdir: str | None) -> None:
-    """celery-tooleffect: dead letters, approvals, audit trails, Flower with a Dead letters page."""
     if workdir:
         os.chdir(workdir)
     try:

@@ -7,7 +7,6 @@ someone else); it is written in the audit event of every decision.
 
 from __future__ import annotations
 
-import json
 import textwrap
 import time
 from collections.abc import Mapping
@@ -21,6 +20,7 @@ from ..approvals import Approvals
 from ..filters import LISTED_APPROVAL_STATES
 from ..operations import REASON_LIMIT, default_actor
 from ..table import key_values, render, terminal_width
+from ..visible import visible_json, warning
 from .base import (
     NEEDS_STORE,
     ToolEffectGroup,
@@ -34,7 +34,8 @@ from .base import (
 )
 
 
-@click.group(cls=ToolEffectGroup)
+@click.group(cls=ToolEffectGroup,
+             short_help="Calls awaiting approval: list, show, approve, reject, stats.")
 def approvals() -> None:
     """Calls that wait for a person's approval: list, show, approve, reject, stats."""
 
@@ -169,13 +170,14 @@ def approvals_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if shown.problem:
         click.echo(f"\narguments: not shown: {shown.problem}")
         return
+    if shown.invisible:
+        click.echo("\n" + textwrap.fill("warning: " + warning(shown.invisible), width=width))
     if shown.view is not None:
         click.echo("\narguments (as the tool shows them to approvers):")
-        text = json.dumps(shown.view, ensure_ascii=False, sort_keys=True)
+        text = visible_json(shown.view)
     else:
         click.echo("\narguments:")
-        text = json.dumps({"args": shown.args, "kwargs": shown.kwargs}, ensure_ascii=False,
-                          sort_keys=True)
+        text = visible_json({"args": shown.args, "kwargs": shown.kwargs})
     click.echo(textwrap.fill(text, width=width, initial_indent="  ", subsequent_indent="  ",
                              break_long_words=True))
 

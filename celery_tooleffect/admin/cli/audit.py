@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import click
@@ -13,6 +12,7 @@ import click
 from ...events import AuditEvent
 from ...store.audit import text
 from ..table import layout, render, terminal_width
+from ..visible import visible_json
 from .base import (
     EXIT_REFUSED,
     NEEDS_STORE,
@@ -28,22 +28,44 @@ from .base import (
 JSON_DOCS = "stable, see docs/operations.md#json-output"
 
 
-@click.group(cls=ToolEffectGroup)
+@click.group(cls=ToolEffectGroup, short_help="Audit trails: show, verify, tail.")
 def audit() -> None:
-    """Audit trails: one run's events, or the newest events of all runs."""
+    """Audit trails: one run's events (show), its hash chain (verify), or the
+    newest events of all runs (tail)."""
 
 
 _EVENT_HEADERS = ["SEQ", "TIME (UTC)", "TASK ID", "TOOL", "PHASE", "STATUS", "TRY", "CLASS",
                   "EXCEPTION", "BY"]
+#: ``audit show``'s columns that may be left out, least important first: the
+#: time, the task id, the phase and the status are always there (what an
+#: operator reads first), the tool next when it fits whole.
+_EVENT_OPTIONAL = ["BY", "SEQ", "EXCEPTION", "CLASS", "TRY", "TOOL"]
 
 
-def _event_row(event: Mapping[str, str]) -> list[str]:
+def _event_row(event: Mapping[str, str], clock: bool = False) -> list[str]:
+    moment = when(event.get("ts"))
     return [
-        event.get("seq", ""), when(event.get("ts")), event.get("task_id", ""),
+        event.get("seq", ""), moment[11:19] if clock else moment, event.get("task_id", ""),
         event.get("tool", ""), event.get("phase", ""), event.get("status", ""),
         event.get("attempt", ""), event.get("failure_class", ""),
         event.get("exception_type", ""), event.get("actor") or event.get("worker", ""),
     ]
+
+
+def event_table(events: Sequence[Mapping[str, str]], *, width: int | None = None,
+                wide: bool = False) -> str:
+    """``audit show``'s table of one run's events, fitting ``width``: the time,
+    the task id, the phase and the status at any width; the time of a run whose
+    events all fall on one UTC day as ``HH:MM:SS`` under a line naming the day
+    (``--wide``: every column and the full time)."""
+    days = {when(event.get("ts"))[:10] for event in events}
+    clock = not wide and len(days) == 1
+    headers = list(_EVENT_HEADERS)
+    if clock:
+        headers[1] = "UTC"
+    table = render(headers, [_event_row(event, clock) for event in events], width=width,
+                   shrink=["BY", "EXCEPTION"], optional=_EVENT_OPTIONAL, wide=wide, hint=True)
+    return f"{days.pop()} (UTC)\n{table}" if clock else table
 
 
 @audit.command("show", needs=NEEDS_STORE)
@@ -56,9 +78,10 @@ def _event_row(event: Mapping[str, str]) -> list[str]:
 def audit_show(ctx: click.Context, run_id: str, as_json: bool, wide: bool) -> None:
     """Show the audit events of one run, oldest first.
 
-    The table keeps the task id and the tool whole at any width; the other
-    columns are left out, least important first, when they do not fit
-    (--wide prints them all).
+    The table keeps the time, the task id, the phase and the status at any
+    width (the time as HH:MM:SS under the day's date when the run's events fall
+    on one day); the tool, whole, and the other columns are left out, least
+    important first, when they do not fit (--wide prints them all).
     """
     events = runtime_of(ctx).audit.events(run_id)
     if as_json:
@@ -69,10 +92,7 @@ def audit_show(ctx: click.Context, run_id: str, as_json: bool, wide: bool) -> No
         return
     if not events:
         fail(f"{run_id}: no audit events for this run")
-    click.echo(render(_EVENT_HEADERS, [_event_row(event) for event in events],
-                      shrink=["BY", "EXCEPTION"],
-                      optional=["BY", "EXCEPTION", "CLASS", "TRY", "TIME (UTC)", "SEQ"],
-                      wide=wide, hint=True))
+    click.echo(event_table(events, wide=wide))
 
 
 @audit.command("verify", needs=NEEDS_STORE)
@@ -161,7 +181,7 @@ def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool,
         def emit(event: AuditEvent) -> None:
             if as_json:
                 # As the stream holds it: its fields' text, not parsed.
-                click.echo(json.dumps(dict(event), sort_keys=True, ensure_ascii=False))
+                click.echo(visible_json(dict(event)))
             else:
                 click.echo(table.line(_tail_row(event)))
 

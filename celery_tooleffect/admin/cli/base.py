@@ -4,7 +4,6 @@ UTC times, one line on stderr, an action's results)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterable
 from datetime import datetime, timezone
@@ -25,6 +24,7 @@ from ..operations import (
     results_summary,
     store_problem,
 )
+from ..visible import visible_json
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -132,8 +132,9 @@ def wide_option(command: Any) -> Any:
 
 
 def echo_json(data: Any) -> None:
-    """``data`` as the commands' ``--json`` print it: indented, keys sorted."""
-    click.echo(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False, default=str))
+    """``data`` as the commands' ``--json`` print it: indented, keys sorted, every
+    invisible or text-reordering character a JSON escape (the same JSON value)."""
+    click.echo(visible_json(data, indent=2))
 
 
 def when(timestamp: float | str | None) -> str:

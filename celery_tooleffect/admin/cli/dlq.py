@@ -8,10 +8,9 @@ ever the operator's why, written in the audit event of a replay or purge.
 
 from __future__ import annotations
 
-import json
 import sys
 import textwrap
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import click
@@ -19,7 +18,8 @@ import click
 from ...store.dead_letters import Cursor
 from ..filters import DEAD_LETTER_REASONS, EFFECTS, FAILURE_CLASSES, dead_letter_query
 from ..operations import ActionResult, default_actor
-from ..table import key_values, render, terminal_width
+from ..table import WHOLE, key_values, render, terminal_width
+from ..visible import escape, visible_json
 from .base import (
     NEEDS_BOTH,
     NEEDS_DEAD_LETTERS,
@@ -40,7 +40,7 @@ JSON_DOCS = "stable, see docs/operations.md#json-output"
 
 @click.group(cls=ToolEffectGroup)
 def dlq() -> None:
-    """Dead letters: list, show, replay, purge, stats."""
+    """Dead letters: list, show, replay, purge, reconcile, stats."""
 
 
 def _filters(command: Any) -> Any:
@@ -85,9 +85,10 @@ def dlq_list(ctx: click.Context, queue: str | None, dead_letter_reason: str | No
              as_json: bool, wide: bool) -> None:
     """List dead letters, newest first, one page at a time (no full scan).
 
-    The table keeps the task id and the tool whole at any width; the other
-    columns are left out, least important first, when they do not fit
-    (--wide prints them all).
+    The table keeps the task id, the dead-letter reason, the failure class and
+    the exception at any width (the exception cut first); the tool, whole, and
+    the other columns are left out, least important first, when they do not
+    fit (--wide prints them all).
     """
     try:
         before = Cursor.decode(cursor) if cursor else None
@@ -104,22 +105,37 @@ def dlq_list(ctx: click.Context, queue: str | None, dead_letter_reason: str | No
     if not letters:
         click.echo("No dead letters match.")
         return
-    click.echo(render(
-        ["TASK ID", "STORED (UTC)", "QUEUE", "TOOL", "EFFECT", "REASON", "CLASS", "TRY",
-         "EXCEPTION"],
-        [[letter["task_id"], when(letter["dead_lettered_at"]), letter["queue"],
-          letter["name"] or "-", letter["effect"], letter["reason"], letter["failure_class"],
-          str(letter["attempts"]), _exception(letter)]
-         for letter in letters],
-        shrink=["EXCEPTION", "QUEUE"],
-        optional=["EXCEPTION", "TRY", "CLASS", "QUEUE", "STORED (UTC)", "REASON", "EFFECT"],
-        wide=wide, hint=True,
-    ))
+    click.echo(letter_table(letters, wide=wide))
     shown = f"{len(letters)} shown"
     if found["total"] is not None:
         shown += f" of {found['total']}"
     next_cursor = found["next_cursor"]
     click.echo(shown + (f"; next page: --cursor {next_cursor}" if next_cursor else ""))
+
+
+#: ``dlq list``'s columns.
+LETTER_HEADERS = ["TASK ID", "STORED (UTC)", "QUEUE", "TOOL", "EFFECT", "REASON", "CLASS",
+                  "TRY", "EXCEPTION"]
+#: The columns that may be left out, least important first: the task id, the
+#: dead-letter reason, the failure class and the exception (what an operator
+#: reads first) are always there; the tool next, whole, when it fits.
+LETTER_OPTIONAL = ["TRY", "QUEUE", "STORED (UTC)", "EFFECT", "TOOL"]
+
+
+def letter_table(letters: Sequence[Mapping[str, Any]], *, width: int | None = None,
+                 wide: bool = False) -> str:
+    """``dlq list``'s table of the listing's letters, fitting ``width`` (see
+    :data:`LETTER_OPTIONAL`; the exception is cut, the reason and the class never)."""
+    return render(
+        LETTER_HEADERS,
+        [[letter["task_id"], when(letter["dead_lettered_at"]), letter["queue"],
+          letter["name"] or "-", letter["effect"], letter["reason"], letter["failure_class"],
+          str(letter["attempts"]), _exception(letter)]
+         for letter in letters],
+        width=width, shrink=["EXCEPTION", "QUEUE"], optional=LETTER_OPTIONAL,
+        # The reason and the class are the filters' words: never cut either.
+        whole=(*WHOLE, "REASON", "CLASS"), wide=wide, hint=True,
+    )
 
 
 def _exception(letter: Mapping[str, Any]) -> str:
@@ -187,8 +203,9 @@ def dlq_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
                          ("body (base64)", message.get("body_base64"))):
         if value in (None, "", [], {}):
             continue
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
-                                                               default=str)
+        # Nothing invisible: a hidden character is shown escaped (\u202e).
+        text = escape(value) if isinstance(value, str) else visible_json(value,
+                                                                          sort_keys=False)
         click.echo(f"\n{title}:")
         click.echo(textwrap.fill(text, width=width, initial_indent="  ",
                                  subsequent_indent="  ", break_long_words=True))

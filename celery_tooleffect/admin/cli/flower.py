@@ -10,12 +10,14 @@ from .base import StoreCommand, app_of, fail
 
 @click.command(
     "flower", cls=StoreCommand,
+    short_help="Flower with Dead letters, Approvals and run pages.",
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
 )
 @click.argument("flower_argv", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def flower_command(ctx: click.Context, flower_argv: tuple[str, ...]) -> None:
-    """Start Flower 2.x with a "Dead letters" page (takes Flower's own options)."""
+    """Start Flower 2.x with Dead letters, Approvals and run pages (takes Flower's
+    own options)."""
     try:
         # Imported here, the one lazy import of the CLI: Flower, tornado and
         # prometheus_client are an optional extra, and every other command (and

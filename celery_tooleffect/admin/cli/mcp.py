@@ -12,7 +12,8 @@ from ...settings import settings_for
 from .base import StoreCommand, app_of, fail
 
 
-@click.command("mcp", cls=StoreCommand)
+@click.command("mcp", cls=StoreCommand,
+               short_help="Serve the app's tools over MCP (stdio or streamable HTTP).")
 @click.option("--transport", type=click.Choice(["stdio", "streamable-http"]), default="stdio",
               show_default=True, help="stdio: one client, this process's standard streams.")
 @click.option("--host", default="127.0.0.1", show_default=True,

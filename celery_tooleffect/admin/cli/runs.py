@@ -22,7 +22,7 @@ from .base import (
 
 @click.group(cls=ToolEffectGroup)
 def runs() -> None:
-    """Agent runs: every call of one run, from its audit trail."""
+    """Agent runs: show every call of one run, from its audit trail."""
 
 
 @runs.command("show", needs=NEEDS_STORE)
@@ -38,7 +38,8 @@ def runs() -> None:
 def runs_show(ctx: click.Context, run_id: str, cursor: str | None, limit: int,
               as_json: bool, wide: bool) -> None:
     """Show the calls of one run in the order they started: effect, state,
-    attempts, how long their bodies ran, how they ended."""
+    how many times their bodies ran (RUNS: every attempt, replays included),
+    how long they ran, how they ended."""
     page = Runs(app_of(ctx)).page(run_id, cursor=cursor, limit=limit)
     if as_json:
         echo_json(page.to_dict())
@@ -49,13 +50,13 @@ def runs_show(ctx: click.Context, run_id: str, cursor: str | None, limit: int,
         fail(f"{run_id}: no audit events for this run")
     rows = [
         [when(call.first_ts), call.task_id, call.tool, call.effect, call.state,
-         str(call.attempts or "-"), f"{call.duration_ms:.1f}" if call.spans else "-",
+         str(call.bodies or "-"), f"{call.duration_ms:.1f}" if call.spans else "-",
          call.dead_letter_reason or call.failure_class or call.last]
         for call in page.calls
     ]
-    click.echo(render(["STARTED (UTC)", "TASK ID", "TOOL", "EFFECT", "STATE", "TRY", "RAN MS",
+    click.echo(render(["STARTED (UTC)", "TASK ID", "TOOL", "EFFECT", "STATE", "RUNS", "RAN MS",
                        "OUTCOME"], rows, shrink=["TOOL", "OUTCOME"],
-                      optional=["OUTCOME", "RAN MS", "TRY", "EFFECT", "STARTED (UTC)"],
+                      optional=["OUTCOME", "RAN MS", "RUNS", "EFFECT", "STARTED (UTC)"],
                       wide=wide, hint=True))
     if page.next_cursor:
         click.echo(f"\nmore: runs show {run_id} --cursor {page.next_cursor}")

@@ -15,7 +15,8 @@ from ..table import render, terminal_width
 from .base import EXIT_REFUSED, NEEDS_STORE, StoreCommand, echo_json, runtime_of, wide_option
 
 
-@click.command("tools", cls=StoreCommand, needs=NEEDS_STORE)
+@click.command("tools", cls=StoreCommand, needs=NEEDS_STORE,
+               short_help="The tools live workers declare, with their effects.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print JSON: {"tools": [...], "workers": [...], "conflicts": [...]} '
                    "(stable, see docs/operations.md#json-output).")

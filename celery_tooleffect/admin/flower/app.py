@@ -26,6 +26,8 @@ from flower import command as flower_command
 from flower.app import Flower, rewrite_handler
 from flower.options import options as flower_options
 from flower.urls import settings as flower_settings
+from flower.views import monitor as flower_monitor
+from tornado import web
 
 from ..approvals import Approvals
 from ..operations import DeadLetterOperations
@@ -88,6 +90,8 @@ def extend(flower_app: Any) -> None:
     flower_app.tooleffect_approvals = Approvals(capp)
     flower_app.tooleffect_runs = Runs(capp)
     handlers: list[Any] = dead_letters.handlers() + approvals.handlers() + runs.handlers()
+    if flower_app.tooleffect_approvals.runtime.settings.flower_metrics_auth:
+        handlers.append((r"/metrics", AuthenticatedMetrics))
     if options.url_prefix:
         handlers = [rewrite_handler(handler, options.url_prefix) for handler in handlers]
     # Before Flower's catch-all 404 handler (tornado inserts new hosts' rules first).
@@ -95,6 +99,23 @@ def extend(flower_app: Any) -> None:
     show_failure_class(flower_app)
     export_store_gauges(flower_app.tooleffect_approvals,
                         flower_app.tooleffect_operations.runtime.dead_letters)
+
+
+class AuthenticatedMetrics(flower_monitor.Metrics):  # type: ignore[misc]
+    """Flower's ``/metrics`` (its own series and the package's gauges), asking
+    for Flower's authentication when Flower has one: under ``--basic-auth`` a
+    scrape without the credentials gets 401 (``WWW-Authenticate: Basic``), under
+    ``--auth`` (OAuth, a browser login no scraper has) 403. Without
+    authentication configured it answers anyone, as Flower's own does. Served
+    instead of Flower's unless ``tooleffect_flower_metrics_auth`` is False."""
+
+    async def get(self) -> None:
+        options = self.application.options
+        if (options.basic_auth or options.auth) and not self.current_user:
+            # Basic auth refused the credentials in get_current_user (401);
+            # OAuth has no session for this client.
+            raise web.HTTPError(401 if options.basic_auth else 403)
+        await super().get()
 
 
 def install() -> None:

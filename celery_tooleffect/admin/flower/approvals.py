@@ -28,6 +28,7 @@ from ...store.approvals import Approval
 from ..approvals import ApprovalListing, Approvals
 from ..filters import approval_state
 from ..operations import STORE, ActionResult, Outcome
+from ..visible import escape, visible_json, warning
 from .handlers import HTTP_STATUS, ToolEffectHandler, limit_of, offset_of, pretty
 
 #: Parked calls per page on the Approvals page and of ``GET /api/approvals``
@@ -157,6 +158,8 @@ class _ApprovalPages(_ApprovalHandler, BaseHandler):  # type: ignore[misc]
             now=time.time(),
             age=_age,
             badge=_state_badge,
+            shown_json=visible_json,
+            shown_text=escape,
         )
 
     async def render_detail(
@@ -184,6 +187,7 @@ class _ApprovalPages(_ApprovalHandler, BaseHandler):  # type: ignore[misc]
             age=_age,
             badge=_state_badge,
             pretty=pretty,
+            warning=warning,
         )
 
 

@@ -32,6 +32,7 @@ from ..filters import (
     parse_duration,
 )
 from ..operations import BOTH_STORES, ActionResult, DeadLetterOperations, Outcome
+from ..visible import escape
 from .handlers import HTTP_STATUS, ToolEffectHandler, flag, limit_of, pretty
 
 #: Letters per page on the Dead letters page (``?limit=`` changes it, up to 500).
@@ -167,6 +168,7 @@ class _DetailPage(_DeadLetterHandler, BaseHandler):  # type: ignore[misc]
             events=events,
             result=result,
             pretty=pretty,
+            shown_text=escape,
         )
 
 

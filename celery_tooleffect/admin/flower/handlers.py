@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -23,6 +22,7 @@ from flower.api import BaseApiHandler
 from tornado import web
 
 from ..operations import BOTH_STORES, Outcome, explain, store_problem
+from ..visible import visible_json
 from .security import RequestChecks
 
 T = TypeVar("T")
@@ -95,6 +95,7 @@ def offset_of(value: Any) -> int:
 
 
 def pretty(value: Any) -> str:
-    """``value`` as indented JSON, for a page."""
-    return json.dumps(value, indent=2, ensure_ascii=False, default=str, sort_keys=True)
+    """``value`` as indented JSON, for a page: every invisible or text-reordering
+    character escaped (``\u202e``, :func:`~celery_tooleffect.admin.visible.visible_json`)."""
+    return visible_json(value, indent=2)
 
