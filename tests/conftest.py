@@ -449,6 +449,15 @@ def dead_lettering_ended(app: Celery, task_id: str) -> None:
 
 
 @pytest.fixture
+def aof_redis() -> Iterator[RedisServer]:
+    """A redis-server the test owns with AOF (fsync every second), as the docs
+    ask of a store: a worker without ``tooleffect_allow_volatile_store``
+    starts on it."""
+    with redis_server(appendonly=True) as server:
+        yield server
+
+
+@pytest.fixture
 def second_redis() -> Iterator[RedisServer]:
     """A second redis-server the test owns and may break (e.g. as the audit store)."""
     with redis_server() as server:

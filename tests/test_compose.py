@@ -280,11 +280,11 @@ def test_the_rabbitmq_variant_loads_the_app_with_rabbitmq_as_broker(
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_the_stack_ends_with_dead_letters_for_the_page(
-    second_redis: RedisServer, tmp_path: Path, broker: str, request: pytest.FixtureRequest,
+    aof_redis: RedisServer, tmp_path: Path, broker: str, request: pytest.FixtureRequest,
 ) -> None:
     """The worker and the producer of the stack, on a Redis of the test's own
     (and, for the RabbitMQ variant, a RabbitMQ virtual host of its own)."""
-    env = dict(os.environ, REDIS_URL=second_redis.url, PYTHONPATH=str(ROOT), COLUMNS="200")
+    env = dict(os.environ, REDIS_URL=aof_redis.url, PYTHONPATH=str(ROOT), COLUMNS="200")
     if broker == "rabbitmq":
         env["BROKER_URL"] = request.getfixturevalue("rabbitmq_url")
     log = tmp_path / "worker.log"

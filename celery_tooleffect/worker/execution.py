@@ -610,6 +610,12 @@ class Execution:
         no ``reconcile``: a dead letter INTERRUPTED_WRITE, as without it.
         """
         attempt, runtime = self.attempt, self.runtime
+        if begin.detail == "store_rolled_back" and _already_dead_lettered(runtime, attempt):
+            # The rollback lost its journal, not its dead letter (kept by the
+            # broker's Redis, or stored after the store came back): it ended.
+            logger.warning("%s delivered again after a rollback of the store; it is a dead "
+                           "letter already: acknowledged without running", self.label)
+            raise Ignore()
         check = reconciler(self.tool)
         reason, interrupted = interruption(self.label, begin.detail)
         if check is None:

@@ -11,7 +11,9 @@ makes one):
    (``pip download --no-binary :all:``) and unpacks its ``t/`` into a work
    directory, with this folder's ``conftest.py`` and ``pytest.ini`` beside
    it (so the installed Celery is tested, not the sdist's copy);
-2. starts two ``redis-server``s of its own on free ports (no persistence),
+2. starts two ``redis-server``s of its own on free ports (AOF, fsync every
+   second: the package's workers refuse a store that loses what it
+   acknowledged on a restart, docs/redis.md#durability),
    one per run, and runs ``t/integration/test_canvas.py`` and
    ``t/integration/test_tasks.py`` in both at once: ``plain`` and ``tool``
    (``SUITE_TASK_CLS=celery_tooleffect:ToolTask``; the package's store is
@@ -122,14 +124,14 @@ def unpack_suite(work: Path) -> Path:
 
 
 class RedisProcess:
-    """A ``redis-server`` of this run's own on a free port, without persistence."""
+    """A ``redis-server`` of this run's own on a free port, with AOF (everysec)."""
 
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(directory)],
+             "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(directory)],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 20

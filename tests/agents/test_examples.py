@@ -21,7 +21,9 @@ AGENTS = ["openai_agents_agent", "langchain_agent", "pydantic_ai_agent"]
 
 @pytest.fixture
 def example_redis() -> Iterator[RedisServer]:
-    with redis_server() as server:
+    # The example app is a user's deployment: its worker refuses a store
+    # that loses what it acknowledged when it restarts (docs/redis.md#durability).
+    with redis_server(appendonly=True) as server:
         yield server
 
 
