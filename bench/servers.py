@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from celery_tooleffect.store.servers import online_replicas
 from celery_tooleffect.testing import (
     RedisServer,
     WorkerProcess,
@@ -24,7 +25,6 @@ from celery_tooleffect.testing import (
     start_celery_worker,
     wait_for,
 )
-from celery_tooleffect.worker.replication import online_replicas
 
 from .app import ATOMIC
 

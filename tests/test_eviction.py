@@ -34,14 +34,12 @@ from celery_tooleffect.admin.flower.metrics import (
 )
 from celery_tooleffect.store.dead_letters import DeadLetters
 from celery_tooleffect.store.runtime import runtime_for
+from celery_tooleffect.store.servers import DEAD_LETTERS, JOURNAL, Server
 from celery_tooleffect.worker.eviction import (
-    DEAD_LETTERS,
-    JOURNAL,
     OK,
     REFUSE,
     WARN,
     EvictionWatcher,
-    Server,
     eviction_check,
     human_bytes,
     servers,

@@ -25,8 +25,8 @@ from celery_tooleffect.store.durability import Durability
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.keys import Keys
 from celery_tooleffect.store.runtime import runtime_for
+from celery_tooleffect.store.servers import online_replicas
 from celery_tooleffect.testing import RedisServer, WorkerProcess, redis_server
-from celery_tooleffect.worker.replication import online_replicas
 from tests.conftest import TESTS, app_config, start_celery_worker, wait_for
 from tests.topologies import MASTER, sentinel_set
 

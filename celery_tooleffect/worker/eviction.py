@@ -25,22 +25,19 @@ again, an evicted dead letter can be neither replayed nor inspected. So:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from celery import bootsteps
-from redis.cluster import RedisCluster
 
 from ..store.runtime import ToolRuntime, runtime_for
+from ..store.servers import DEAD_LETTERS, JOURNAL, Server, servers_of
 
 logger = logging.getLogger(__name__)
 
 #: Seconds between two reads of ``evicted_keys`` by a running worker.
 CHECK_INTERVAL = 30.0
 
-#: The two roles a Redis server plays (the ``store`` label of the gauges).
-JOURNAL, DEAD_LETTERS = "journal", "dead_letters"
-ROLES = {JOURNAL: "the journal and audit store", DEAD_LETTERS: "the dead-letter store"}
 CONSEQUENCES = {
     JOURNAL: "Redis may evict a journal entry and an interrupted write would run again",
     DEAD_LETTERS: "Redis may evict a dead letter, which could then be neither replayed "
@@ -71,52 +68,6 @@ def human_bytes(size: int) -> str:
         if size >= factor and size % factor == 0:
             return f"{size // factor}{unit}"
     return f"{size} bytes"
-
-
-@dataclass
-class Server:
-    """One Redis server and the roles it plays."""
-
-    address: str
-    client: Any
-    roles: list[str] = field(default_factory=list)
-
-    @property
-    def role(self) -> str:
-        return " and ".join(ROLES[role] for role in self.roles)
-
-
-def address_of(client: Any) -> str:
-    """``host:port`` (or the socket path, or the Sentinel service) ``client`` reaches."""
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", None) or {}
-    if kwargs.get("path"):
-        return str(kwargs["path"])
-    service = getattr(pool, "service_name", None)
-    if service:
-        return f"sentinel master {service}"
-    if kwargs.get("host"):
-        return f"{kwargs['host']}:{kwargs.get('port') or 6379}"
-    return f"redis client {id(client):#x}"
-
-
-def servers_of(store: Any, dead_letters: Any | None) -> list[Server]:
-    """The distinct servers of the store's client and the dead letters' client
-    (each once; a cluster's every primary)."""
-    found: dict[str, Server] = {}
-    for role, client in ((JOURNAL, store), (DEAD_LETTERS, dead_letters)):
-        if client is None:
-            continue
-        if isinstance(client, RedisCluster):
-            clients = [(node.name, client.get_redis_connection(node))
-                       for node in client.get_primaries()]  # type: ignore[no-untyped-call]
-        else:
-            clients = [(address_of(client), client)]
-        for address, node in clients:
-            server = found.setdefault(address, Server(address, node))
-            if role not in server.roles:
-                server.roles.append(role)
-    return list(found.values())
 
 
 def servers(runtime: ToolRuntime) -> list[Server]:

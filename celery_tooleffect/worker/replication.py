@@ -41,7 +41,8 @@ from ..store.connections import client_for
 from ..store.durability import Durability
 from ..store.persistence import PersistenceMode, PersistenceUnreadable, read_persistence
 from ..store.runtime import ToolRuntime, runtime_for
-from .eviction import DEAD_LETTERS, JOURNAL, servers
+from ..store.servers import DEAD_LETTERS, JOURNAL, online_replicas
+from .eviction import servers
 
 logger = logging.getLogger(__name__)
 
@@ -278,14 +279,6 @@ class ReplicaWatch(bootsteps.StartStopStep):  # type: ignore[misc]
 def _probe(durability: Durability) -> tuple[str, ...]:
     """A WAIT / WAITAOF that returns at once: does the store accept it?"""
     return ("WAITAOF", "0", "0", "0") if durability.fsync else ("WAIT", "0", "0")
-
-
-def online_replicas(client: redis.Redis) -> int:
-    """Replicas of the server that are in sync (``INFO replication``: a replica
-    still loading its first copy is connected, but acknowledges nothing)."""
-    info: dict[str, Any] = dict(client.info("replication"))
-    return sum(1 for name, value in info.items() if name.startswith("slave")
-               and isinstance(value, dict) and value.get("state") == "online")
 
 
 def _hosts(endpoint: RedisEndpoint) -> str:

@@ -24,12 +24,13 @@ Commands, one module each::
     audit tail [--count N] [--follow] [--json | --wide]
     runs show RUN_ID [--cursor C] [--limit N] [--json | --wide]
     tools [--json | --wide]
+    store [--json | --wide]
     flower [flower options]
     mcp [--transport stdio|streamable-http] [--host H] [--port P] [--tool PATTERN]...
         [--token-env NAME]
 
-(:mod:`.dlq`, :mod:`.approvals`, :mod:`.audit`, :mod:`.runs`, :mod:`.tools`, :mod:`.flower`,
-:mod:`.mcp`;
+(:mod:`.dlq`, :mod:`.approvals`, :mod:`.audit`, :mod:`.runs`, :mod:`.tools`, :mod:`.store`,
+:mod:`.flower`, :mod:`.mcp`;
 what they share, :mod:`.base`; the filters' choices come from the enums,
 :mod:`celery_tooleffect.admin.filters`.)
 
@@ -69,6 +70,7 @@ from .dlq import dlq
 from .flower import flower_command
 from .mcp import mcp_command
 from .runs import runs
+from .store import store_command
 from .tools import tools_command
 
 __all__ = ["main", "tooleffect"]
@@ -78,7 +80,7 @@ __all__ = ["main", "tooleffect"]
 HELP = """celery-tooleffect: dead letters (dlq), calls awaiting approval (approvals),
 audit trails (audit), agent runs (runs), the tools workers declare (tools),
 Flower with the package's pages (flower), the MCP server (mcp)."""
-SHORT_HELP = "Dead letters, approvals, audit, runs, tools, Flower, MCP."
+SHORT_HELP = "Dead letters, approvals, audit, runs, tools, store, Flower, MCP."
 
 
 @click.group(name="tooleffect", cls=ToolEffectGroup, help=HELP, short_help=SHORT_HELP)
@@ -86,7 +88,8 @@ def tooleffect() -> None:
     pass
 
 
-for _command in (dlq, approvals, audit, runs, tools_command, flower_command, mcp_command):
+for _command in (dlq, approvals, audit, runs, tools_command, store_command, flower_command,
+                 mcp_command):
     tooleffect.add_command(_command)
 
 

@@ -8,6 +8,7 @@ It imports prometheus_client, never Flower or tornado.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -19,7 +20,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
 from ...store.dead_letters import DeadLetters
-from ...worker.eviction import role_readings, servers_of
+from ...store.persistence import read_persistence
+from ...store.servers import JOURNAL, online_replicas, servers_of
+from ...worker.eviction import role_readings
 from ..approvals import Approvals
 
 logger = logging.getLogger(__name__)
@@ -32,6 +35,8 @@ DEAD_LETTERS_GAUGE = "tooleffect_dead_letters"
 OLDEST_DEAD_LETTER_GAUGE = "tooleffect_oldest_dead_letter_age_seconds"
 EVICTED_KEYS_GAUGE = "tooleffect_store_evicted_keys"
 EVICTING_POLICY_GAUGE = "tooleffect_store_maxmemory_policy_evicting"
+DURABILITY_GAUGE = "tooleffect_store_durability"
+REPLICAS_GAUGE = "tooleffect_store_replicas_in_sync"
 
 
 class StoreGauges:
@@ -51,7 +56,13 @@ class StoreGauges:
       one ``INFO`` per server, ``store`` being ``journal`` (the journal and
       audit store) or ``dead_letters`` (only with ``dead_letters``); a server
       playing both roles gives both samples (see
-      :mod:`celery_tooleffect.worker.eviction`).
+      :mod:`celery_tooleffect.worker.eviction`);
+    - ``tooleffect_store_durability{store,mode}``: 1 for the persistence mode
+      each role's server runs (``mode`` as in
+      :class:`~celery_tooleffect.store.persistence.PersistenceMode`; a server
+      whose persistence cannot be read has no sample), and
+      ``tooleffect_store_replicas_in_sync``: the journal store's replicas in
+      sync (``docs/redis.md#durability``).
 
     No envelope is read. A label set with nothing in it has no sample. When a
     store does not answer, its gauges have no sample at all (absent, never a
@@ -96,6 +107,16 @@ class StoreGauges:
                 "(celery-tooleffect).",
                 labels=["store"],
             ),
+            GaugeMetricFamily(
+                DURABILITY_GAUGE,
+                "1 for the persistence mode of the store's Redis: aof_always, aof_everysec, "
+                "aof_no, aof, rdb, none (celery-tooleffect).",
+                labels=["store", "mode"],
+            ),
+            GaugeMetricFamily(
+                REPLICAS_GAUGE,
+                "Replicas of the journal store in sync (INFO replication; celery-tooleffect).",
+            ),
         ]
         return found
 
@@ -105,7 +126,8 @@ class StoreGauges:
 
     def collect(self) -> Iterator[Metric]:
         families = self.families()
-        yield from self.evictions(*families[-2:])
+        yield from self.evictions(*families[-4:-2])
+        yield from self.durability(*families[-2:])
         approvals = families[0]
         stats = _served(APPROVALS_GAUGE, self.approvals.stats)
         if stats is not None:
@@ -147,6 +169,26 @@ class StoreGauges:
         if readings:
             yield evicted
             yield evicting
+
+
+    def durability(self, modes: GaugeMetricFamily,
+                   replicas: GaugeMetricFamily) -> Iterator[Metric]:
+        """The persistence mode of each role's server, and the store's replicas."""
+        letters = self.dead_letters.client if self.dead_letters is not None else None
+        found = _served(DURABILITY_GAUGE, functools.partial(
+            servers_of, self.approvals.runtime.audit.client, letters)) or []
+        for server in found:
+            persistence = _served(DURABILITY_GAUGE,
+                                  functools.partial(read_persistence, server.client))
+            if persistence is not None:
+                for role in server.roles:
+                    modes.add_metric([role, persistence.mode.value], 1.0)
+        in_sync = _served(REPLICAS_GAUGE, lambda: sum(
+            online_replicas(server.client) for server in found if JOURNAL in server.roles))
+        if in_sync is not None:
+            replicas.add_metric([], float(in_sync))
+            yield replicas
+        yield modes
 
 
 def _served(gauge: str, read: Callable[[], T]) -> T | None:

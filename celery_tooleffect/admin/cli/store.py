@@ -1,0 +1,115 @@
+"""``store``: how durable the store and the dead-letter store are, their replicas
+in sync, and the last rollback of the store the workers found
+(``docs/redis.md#durability``)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import click
+
+from ...store.durability import Durability
+from ...store.keys import Keys
+from ...store.persistence import PersistenceUnreadable, read_persistence
+from ...store.servers import JOURNAL, ROLES, online_replicas, servers_of
+from ..table import render
+from .base import NEEDS_BOTH, StoreCommand, echo_json, runtime_of, wide_option
+
+#: What each mode loses, by what goes down (the table of docs/redis.md#durability).
+LOSES = {
+    "aof_always": ("nothing", "nothing"),
+    "aof_everysec": ("nothing", "up to 1 s of writes"),
+    "aof_no": ("nothing", "up to ~30 s of writes"),
+    "aof": ("nothing", "unknown (fsync not read)"),
+    "rdb": ("writes since the last snapshot", "the same"),
+    "none": ("everything", "everything"),
+}
+
+
+@click.command("store", cls=StoreCommand, needs=NEEDS_BOTH)
+@click.option("--json", "as_json", is_flag=True,
+              help='Print JSON: {"servers": [...], "replicas": {...}, "rollback": {...} | null}.')
+@wide_option
+@click.pass_context
+def store_command(ctx: click.Context, as_json: bool, wide: bool) -> None:
+    """Show how durable the store and the dead-letter store are (what a crash of
+    the process or of the machine loses), the store's replicas in sync, and
+    when the workers last found the store rolled back.
+
+    A worker refuses to start on a server that loses acknowledged writes when
+    its process restarts, unless replicas are waited for or
+    tooleffect_allow_volatile_store is True (docs/redis.md#durability)."""
+    runtime = runtime_of(ctx)
+    settings = runtime.settings
+    servers = []
+    for server in servers_of(runtime.audit.client, runtime.dead_letters.client):
+        row: dict[str, Any] = {"address": server.address, "roles": list(server.roles)}
+        try:
+            persistence = read_persistence(server.client)
+        except PersistenceUnreadable as exc:
+            row.update(mode=None, source=None, error=str(exc))
+        else:
+            row.update(mode=persistence.mode.value, source=persistence.source, error=None,
+                       describe=persistence.mode.describe())
+        servers.append(row)
+    durability = Durability.of(settings)
+    store_client = next((server.client for server in servers_of(runtime.audit.client, None)),
+                        None)
+    in_sync = online_replicas(store_client) if store_client is not None else 0
+    replicas = {"in_sync": in_sync, "wanted": durability.replicas if durability else 0,
+                "fsync": bool(durability and durability.fsync)}
+    marker = {} if settings.redis_cluster else runtime.audit.client.hgetall(
+        Keys(settings.key_prefix).rollback)
+    rollback: dict[str, Any] | None = None
+    if marker:
+        fields = {_text(key): _text(value) for key, value in marker.items()}
+        rollback = {"detected_at": float(fields.get("detected_at", 0)),
+                    "writer": fields.get("writer", ""),
+                    "acknowledged": int(fields.get("acknowledged", 0)),
+                    "found": int(fields.get("found", 0))}
+    if as_json:
+        echo_json({"servers": [{k: v for k, v in row.items() if k != "describe"}
+                               for row in servers],
+                   "replicas": replicas, "rollback": rollback})
+        return
+    rows = []
+    for row in servers:
+        roles = " and ".join(ROLES[role].removeprefix("the ") for role in row["roles"])
+        if row["mode"] is None:
+            rows.append([row["address"], roles, "unreadable", "?", "?"])
+            continue
+        process, machine = LOSES[row["mode"]]
+        rows.append([row["address"], roles, row["describe"], process, machine])
+    click.echo(render(["SERVER", "ROLE", "PERSISTENCE", "A PROCESS CRASH LOSES",
+                       "A MACHINE CRASH LOSES"], rows,
+                      shrink=["ROLE", "PERSISTENCE"], optional=["A MACHINE CRASH LOSES"],
+                      wide=wide, hint=True))
+    for row in servers:
+        if row["error"]:
+            click.echo(f"\n{row['address']}: persistence not readable: {row['error']}")
+    click.echo(f"\nReplicas of the {ROLES[JOURNAL].removeprefix('the ')} in sync: "
+               f"{replicas['in_sync']} (tooleffect_store_replicas asks {replicas['wanted']}"
+               f"{', with fsync' if replicas['fsync'] else ''})")
+    if settings.redis_cluster:
+        click.echo("Rollbacks: not watched on a Redis Cluster store.")
+    elif rollback is None:
+        click.echo("Rollbacks: none found.")
+    else:
+        when = datetime.datetime.fromtimestamp(rollback["detected_at"], datetime.timezone.utc)
+        click.echo(f"Rollbacks: last found {when:%Y-%m-%d %H:%M:%S} UTC by "
+                   f"{_process(rollback['writer'])} "
+                   f"(the store held {rollback['found']} of the {rollback['acknowledged']} "
+                   "intents it had acknowledged to that process); non-idempotent writes "
+                   "published before then that find no journal entry are reconciled or "
+                   "dead-lettered store_rolled_back.")
+
+
+def _process(writer_key: str) -> str:
+    """``host (pid N)`` of a writer key (``<prefix>store:writer:<host>:<pid>:<random>``)."""
+    parts = writer_key.rsplit(":", 3)
+    return f"{parts[-3]} (pid {parts[-2]})" if len(parts) == 4 else "?"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
