@@ -85,6 +85,9 @@ if watched then
     redis.call('HSET', mark, 'detected_at', ARGV[2], 'writer', writer,
       'acknowledged', ARGV[13], 'found', tostring(kept))
     redis.call('EXPIRE', mark, ttl)
+    -- Found once: the key holds the count again, so that the next call of
+    -- this process does not find the same rollback (and move the mark on).
+    redis.call('SET', writer, ARGV[13], 'EX', 4 * tonumber(ttl))
   end
 end
 
