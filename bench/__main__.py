@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -96,7 +97,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--store-replicas", type=int, default=0,
         help="tooleffect_store_replicas: replicas each journal write waits for (WAIT).")
     add("--no-appendonly", dest="appendonly", action="store_false",
-        help="Run Redis without AOF (default: AOF, fsync every second).")
+        help="Run Redis without AOF (default: AOF, fsync every second); the workers "
+             "accept it with tooleffect_allow_volatile_store.")
+    add("--appendfsync", choices=("everysec", "always"), default="everysec",
+        help="The AOF's fsync policy (default everysec).")
     add("--json", type=Path, help="Also write every figure to this JSON file.")
     add("--dbos-url", default=DBOS_URL,
         help="PostgreSQL database (created and dropped) of the DBOS Transact peer row.")
@@ -107,6 +111,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         for name, value in SMOKE.items():
             setattr(args, name, value)
     return args
+
+
+def persistence(args: argparse.Namespace) -> str:
+    """The run's Redis persistence, in words."""
+    if not args.appendonly:
+        return "no persistence (tooleffect_allow_volatile_store)"
+    return f"AOF, appendfsync {args.appendfsync}"
 
 
 def counting_proxy(port: int) -> TcpProxy:
@@ -246,15 +257,19 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
     results: dict[str, Any] = {"machine": machine(), "command": command.strip()}
     sections = [f"Machine: {results['machine']}", f"Command: `{results['command']}`",
-                f"Redis: {'AOF, fsync every second' if args.appendonly else 'no persistence'}"
+                f"Redis: {persistence(args)}"
                 f", {args.replicas} replica(s), tooleffect_store_replicas {args.store_replicas}"
                 f"; workers: {args.workers} x prefork concurrency {args.concurrency}, "
                 f"prefetch multiplier {args.prefetch}; body: "
                 + (f"waits {args.body_ms:g} ms" if args.body_ms else "returns at once")]
     if args.store_replicas > args.replicas:
         raise SystemExit("--store-replicas cannot exceed --replicas")
+    # The workers (started below, with this environment) accept a Redis that
+    # keeps nothing on disk only when the run asks for one.
+    os.environ["BENCH_VOLATILE"] = "0" if args.appendonly else "1"
+    fsync = ("--appendfsync", args.appendfsync)
     if phases & {"calls", "round-trips"}:
-        with redis_server(appendonly=args.appendonly) as server, \
+        with redis_server(*fsync, appendonly=args.appendonly) as server, \
                 replicas_of(server, args.replicas):
             figures = call_phases(args, server, phases, logdir)
         results["variants"] = {name: asdict(figure) for name, figure in figures.items()}
@@ -287,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"(batches of {args.rt_small} and {args.rt_large})\n\n"
                             + round_trips_table(figures) + "\n\n" + commands_detail(figures))
     if phases & {"dead-letters", "audit"}:
-        with redis_server(appendonly=args.appendonly) as server:
+        with redis_server(*fsync, appendonly=args.appendonly) as server:
             timed = store_phases(args, server, phases)
         results["operations"] = [asdict(entry) for entry in timed]
         sections.append(f"Operator commands ({args.letters:,} dead letters; audit: "

@@ -62,11 +62,14 @@ def config(
     global_maxlen: int = 100_000,
     store_replicas: int = 0,
     fetch: str = ATOMIC,
+    volatile: bool = False,
 ) -> dict[str, Any]:
     """The settings of every app of one benchmark run (workers, producers, CLI).
 
     Every key lives under ``prefix``; the visibility timeout is kombu's default.
-    ``fetch`` is the worker's fetch from the broker (:data:`ATOMIC` or :data:`KOMBU`).
+    ``fetch`` is the worker's fetch from the broker (:data:`ATOMIC` or :data:`KOMBU`);
+    ``volatile``: the run's Redis keeps nothing on disk (``--no-appendonly``),
+    which the workers accept (``tooleffect_allow_volatile_store``).
     """
     if fetch not in (ATOMIC, KOMBU):
         raise ValueError(f"unknown fetch {fetch!r} (BENCH_FETCH): {ATOMIC} or {KOMBU}")
@@ -84,6 +87,7 @@ def config(
         "tooleffect_global_stream_maxlen": global_maxlen,
         "tooleffect_store_replicas": store_replicas,
         "tooleffect_atomic_fetch": fetch == ATOMIC,
+        "tooleffect_allow_volatile_store": volatile,
     }
 
 
@@ -98,6 +102,7 @@ app.conf.update(
         global_maxlen=int(os.environ.get("BENCH_GLOBAL_MAXLEN", "100000")),
         store_replicas=int(os.environ.get("BENCH_STORE_REPLICAS", "0")),
         fetch=os.environ.get("BENCH_FETCH", ATOMIC),
+        volatile=os.environ.get("BENCH_VOLATILE") == "1",
     )
 )
 
