@@ -43,6 +43,8 @@ WORKER_COMMANDS = {
     "evalsha", "script|load", "ping",
     # inside the package's scripts (journal, audit, storing a dead letter)
     "hmget", "hget", "hset", "hsetnx", "hincrby", "expire", "xadd", "zadd", "sadd",
+    # the rollback watch inside the intent script (store/rollback.py)
+    "get", "set",
     # outside them (global stream copy, journal reads, dead-letter lookups,
     # a late outcome copied onto a dead letter, the declared effects a worker
     # publishes, reads and withdraws: store/declarations.py)
