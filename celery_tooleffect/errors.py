@@ -11,7 +11,9 @@ wrong and what it means::
      |    +-- IntentNotRecorded           ... so a write's body did not run
      |    +-- LeaseNotSecured             ... so a write with a deadline did not start
      |    +-- IntentNotDurable            an intent was not replicated / fsynced as
-     |                                    tooleffect_store_replicas asks, so the body did not run
+     |    |                               tooleffect_store_replicas asks, so the body did not run
+     |    +-- PersistenceUnreadable       neither CONFIG GET nor INFO persistence said what
+     |                                    the store keeps across a restart
      +-- AuditPersistenceFailed          a write's outcome could not be recorded (UNKNOWN)
      +-- ResultNotStorable               (also kombu's EncodeError) the body returned a
      |                                   result the app's result serializer cannot encode
@@ -112,6 +114,11 @@ class StoreUnavailable(ToolEffectError):
     """The journal's Redis did not answer or refused a write."""
 
     failure_class = "connection"
+
+
+class PersistenceUnreadable(StoreUnavailable):
+    """Neither ``CONFIG GET`` nor ``INFO persistence`` said what a Redis keeps
+    across a restart (the worker's start-up check); the message has both errors."""
 
 
 class IntentNotRecorded(StoreUnavailable):

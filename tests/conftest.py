@@ -281,6 +281,8 @@ SLOW: dict[str, str] = {
     "tests/test_pytest_plugin.py": "73.3 s (both)",
     "tests/test_examples_plugin.py": "312.2 s",
     "tests/test_demo.py": "30.7 s (all four)",
+    "tests/test_replication.py::"
+    "test_a_store_short_of_replicas_starts_runs_reads_and_holds_writes": "11.4 s",
 }
 
 
@@ -314,6 +316,9 @@ ALONE = (
     "test_a_write_whose_outcome_cannot_be_stored_keeps_its_message_until_the_store_is_back",
     "tests/test_deadline_paths.py::"
     "test_a_lease_the_broker_cannot_extend_is_audited_and_the_message_kept",
+    # Sentinel's view of a replica that is down, and back, is timed too.
+    "tests/test_replication.py::"
+    "test_behind_sentinel_a_replica_down_at_start_holds_writes_until_it_is_back",
 )
 
 

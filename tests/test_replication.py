@@ -156,7 +156,6 @@ def test_more_replicas_than_the_sentinels_know_are_refused_at_start(
     assert "know 0 replica(s) in all" in output
 
 
-@pytest.mark.alone
 def test_behind_sentinel_a_replica_down_at_start_holds_writes_until_it_is_back(
         tmp_path: Path, prefix: str) -> None:
     """The Sentinel set-up of issue 37: its one replica is down when the worker

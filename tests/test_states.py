@@ -71,7 +71,8 @@ def test_every_effect_literal_in_the_scripts_is_a_tool_effect() -> None:
 
 def test_every_verdict_begin_attempt_returns_is_a_verdict() -> None:
     source = code_lines(lua_sources()["begin_attempt.lua"])
-    returned = set(re.findall(r"return\s*\{\s*'([^']*)'", source))
+    # Every answer goes through the script's reply(verdict, ...).
+    returned = set(re.findall(r"return\s*reply\(\s*'([^']*)'", source))
     assert returned == {verdict.value for verdict in Verdict}
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..choices import Choice
+from ..errors import PersistenceUnreadable
 
 
 class PersistenceMode(Choice):
@@ -86,10 +87,6 @@ class Persistence:
     mode: PersistenceMode
     #: ``CONFIG GET`` or ``INFO persistence``.
     source: str
-
-
-class PersistenceUnreadable(Exception):
-    """Neither ``CONFIG GET`` nor ``INFO persistence`` answered; says both errors."""
 
 
 def classify(appendonly: str, appendfsync: str, save: str) -> PersistenceMode:

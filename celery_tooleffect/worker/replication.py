@@ -37,9 +37,10 @@ import redis
 from celery import bootsteps
 
 from ..endpoints import RedisEndpoint
+from ..errors import PersistenceUnreadable
 from ..store.connections import client_for
 from ..store.durability import Durability
-from ..store.persistence import PersistenceMode, PersistenceUnreadable, read_persistence
+from ..store.persistence import PersistenceMode, read_persistence
 from ..store.runtime import ToolRuntime, runtime_for
 from ..store.servers import DEAD_LETTERS, JOURNAL, online_replicas
 from .eviction import servers

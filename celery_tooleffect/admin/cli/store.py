@@ -9,9 +9,10 @@ from typing import Any
 
 import click
 
+from ...errors import PersistenceUnreadable
 from ...store.durability import Durability
 from ...store.keys import Keys
-from ...store.persistence import PersistenceUnreadable, read_persistence
+from ...store.persistence import read_persistence
 from ...store.servers import JOURNAL, ROLES, online_replicas, servers_of
 from ..table import render
 from .base import NEEDS_BOTH, StoreCommand, echo_json, runtime_of, wide_option
