@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -114,8 +113,8 @@ class Attempt:
     #: Whether this delivery may not be the call's first: redelivered by the
     #: broker, a retry, a deferral or a replay (:func:`delivered_again`).
     again: bool = False
-    #: When its message was published (None: the message does not say; an
-    #: interactive call is "now"): see :mod:`celery_tooleffect.store.rollback`.
+    #: When its message was published (None: the message does not say, or an
+    #: interactive call): see :mod:`celery_tooleffect.store.rollback`.
     sent_at: float | None = None
 
     @classmethod
@@ -145,7 +144,7 @@ class Attempt:
             interactive=interactive,
             retries=retries,
             again=delivered_again(fields, delivery_info, retries),
-            sent_at=time.time() if interactive else sent_at_of(fields),
+            sent_at=None if interactive else sent_at_of(fields),
         )
 
     @property

@@ -534,9 +534,10 @@ class Execution:
                     sent_at=attempt.sent_at,
                     # A broker that is not rolled back with the store knows
                     # whether it delivered the message before (RabbitMQ's
-                    # redelivered, kombu's restore on another Redis).
-                    first_delivery=not (attempt.again or attempt.interactive
-                                        or runtime.settings.broker_rolls_back_with_store),
+                    # redelivered, kombu's restore on another Redis); a direct
+                    # call is made now.
+                    first_delivery=attempt.interactive or not (
+                        attempt.again or runtime.settings.broker_rolls_back_with_store),
                 )
                 # kombu's restore sweep holds its mutex for a moment: wait it
                 # out, as Leases.extend_lease does (nothing was recorded).

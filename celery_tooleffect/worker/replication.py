@@ -51,25 +51,29 @@ logger = logging.getLogger(__name__)
 REPLICA_CHECK_INTERVAL = 5.0
 
 
-def sentinel_refusal(endpoint: RedisEndpoint, role: str, socket_timeout: float) -> str | None:
-    """Why ``endpoint``'s Sentinels cannot serve it (None: they can, or none answered)."""
-    answered = False
+def ask_sentinels(endpoint: RedisEndpoint, socket_timeout: float, *command: str) -> list[Any]:
+    """``command``'s answer from each of ``endpoint``'s Sentinels that answers
+    (empty: none did)."""
+    answers = []
     for host, port in endpoint.sentinels:
         options = {"socket_timeout": socket_timeout,
                    "socket_connect_timeout": min(socket_timeout, 2.0),
                    **dict(endpoint.sentinel_kwargs)}
         sentinel = redis.Redis(host=host, port=port, **options)
         try:
-            address = sentinel.execute_command(  # type: ignore[no-untyped-call]
-                "SENTINEL", "get-master-addr-by-name", endpoint.master_name)
+            answers.append(sentinel.execute_command(*command))  # type: ignore[no-untyped-call]
         except redis.RedisError:
             continue
         finally:
             sentinel.close()
-        if address:
-            return None
-        answered = True
-    if answered:
+    return answers
+
+
+def sentinel_refusal(endpoint: RedisEndpoint, role: str, socket_timeout: float) -> str | None:
+    """Why ``endpoint``'s Sentinels cannot serve it (None: they can, or none answered)."""
+    answers = ask_sentinels(endpoint, socket_timeout,
+                            "SENTINEL", "get-master-addr-by-name", endpoint.master_name)
+    if answers and not any(answers):
         return (f"{role}: the Sentinels {_hosts(endpoint)} know no master named "
                 f"{endpoint.master_name!r} (the transport option master_name)")
     return None
@@ -137,20 +141,9 @@ def known_replicas(endpoint: RedisEndpoint, socket_timeout: float) -> int | None
     included (None: not behind Sentinel, or no Sentinel answered)."""
     if not endpoint.behind_sentinel:
         return None
-    for host, port in endpoint.sentinels:
-        options = {"socket_timeout": socket_timeout,
-                   "socket_connect_timeout": min(socket_timeout, 2.0),
-                   **dict(endpoint.sentinel_kwargs)}
-        sentinel = redis.Redis(host=host, port=port, **options)
-        try:
-            replicas = sentinel.execute_command(  # type: ignore[no-untyped-call]
-                "SENTINEL", "replicas", endpoint.master_name)
-        except redis.RedisError:
-            continue
-        finally:
-            sentinel.close()
-        return len(replicas or [])
-    return None
+    answers = ask_sentinels(endpoint, socket_timeout,
+                            "SENTINEL", "replicas", endpoint.master_name)
+    return max(len(answer or []) for answer in answers) if answers else None
 
 
 def persistence_check(runtime: ToolRuntime) -> tuple[list[str], list[str]]:
