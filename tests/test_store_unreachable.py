@@ -63,6 +63,7 @@ COMMANDS = [
     ["audit", "tail"], ["audit", "tail", "--json"],
     ["runs", "show", "{run}"], ["runs", "show", "{run}", "--json"],
     ["tools"], ["tools", "--json"],
+    ["store"], ["store", "--json"],
 ]
 
 
