@@ -28,7 +28,8 @@ LOSES = {
 }
 
 
-@click.command("store", cls=StoreCommand, needs=NEEDS_BOTH)
+@click.command("store", cls=StoreCommand, needs=NEEDS_BOTH,
+               short_help="What the store keeps across a restart; replicas, rollbacks.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print JSON: {"servers": [...], "replicas": {...}, "rollback": {...} | null}.')
 @wide_option
