@@ -24,7 +24,7 @@ Commands, one module each::
     audit tail [--count N] [--follow] [--json | --wide]
     runs show RUN_ID [--cursor C] [--limit N] [--json | --wide]
     tools [--json | --wide]
-    store [--json | --wide]
+    store [--sizing [--sample N] [--runs N] [--window N]] [--json | --wide]
     flower [flower options]
     mcp [--transport stdio|streamable-http] [--host H] [--port P] [--tool PATTERN]...
         [--token-env NAME]
