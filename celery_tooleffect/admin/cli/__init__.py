@@ -79,7 +79,8 @@ __all__ = ["main", "tooleffect"]
 #: What ``tooleffect --help`` (and ``celery-tooleffect --help``) says: every command.
 HELP = """celery-tooleffect: dead letters (dlq), calls awaiting approval (approvals),
 audit trails (audit), agent runs (runs), the tools workers declare (tools),
-Flower with the package's pages (flower), the MCP server (mcp)."""
+the store's durability and sizing (store), Flower with the package's pages
+(flower), the MCP server (mcp)."""
 SHORT_HELP = "Dead letters, approvals, audit, runs, tools, store, Flower, MCP."
 
 

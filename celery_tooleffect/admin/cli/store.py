@@ -39,7 +39,8 @@ LOSES = {
 }
 
 
-@click.command("store", cls=StoreCommand, needs=NEEDS_BOTH)
+@click.command("store", cls=StoreCommand, needs=NEEDS_BOTH,
+               short_help="The store's durability, replicas, rollbacks and sizing.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print JSON: {"servers": [...], "replicas": {...}, "rollback": {...} | null'
                    '[, "sizing": {...}]}.')
