@@ -169,6 +169,10 @@ def test_the_store_command_and_the_gauges_report_the_sizing(
             call_all(app, tool, 20, effect)
         keys = Keys(f"{prefix}te:")
         wait_for(copied(client, keys, 60), timeout=30, what="the global stream's copies")
+        for i in range(3):
+            app.send_task("tools.missing", args=[f"letter-{i}"], queue="tools")
+        wait_for(lambda: DeadLetters(app).stats().total == 3, timeout=30,
+                 what="the dead letters")
 
         shown = invoke(app, "store", "--sizing", "--json")
         assert shown.exit_code == 0, shown.output
@@ -177,20 +181,26 @@ def test_the_store_command_and_the_gauges_report_the_sizing(
         assert 0 < sizing["used_memory"] < sizing["maxmemory"]
         assert sizing["complete"] is True and sizing["scanned"] == sizing["total_keys"]
         kinds = {row["kind"]: row for row in sizing["kinds"]}
-        assert kinds[RUN_STREAMS]["keys"] == kinds[RUN_CHAINS]["keys"] == 60
+        # Each call and each letter (its refusal is audited) is a run of its own.
+        assert kinds[RUN_STREAMS]["keys"] == kinds[RUN_CHAINS]["keys"] == 63
         assert kinds[JOURNAL]["keys"] == 40  # the writes' entries
-        assert kinds[RESULTS]["keys"] == 60
+        assert kinds[RESULTS]["keys"] == 63  # a letter's result says why it failed
         assert kinds[GLOBAL_STREAM]["keys"] == 1 and kinds[GLOBAL_STREAM]["bytes"] > 0
         assert all(row["without_ttl"] == 0 for row in sizing["kinds"] if row["kind"] in PER_CALL)
         # The broker's queues are the broker's, not the package's.
         assert kinds[NOT_THE_PACKAGES]["keys"] > 0 and kinds[NOT_THE_PACKAGES]["bytes"] == 0
         effects = {row["effect"]: row for row in sizing["effects"]}
-        assert {name: row["calls"] for name, row in effects.items()} == dict.fromkeys(TOOLS, 20)
+        # An unknown tool's call is audited as what it may be: a non-idempotent write.
+        assert {name: row["calls"] for name, row in effects.items()} == {
+            "read_only": 20, "idempotent_write": 20, "non_idempotent_write": 23}
         assert all(row["bytes_per_call"] > 0 for row in effects.values())
         # A write leaves a journal entry a read does not.
         assert effects["read_only"]["bytes_per_call"] < effects["non_idempotent_write"][
             "bytes_per_call"]
-        assert sizing["results"]["calls"] == 60 and sizing["results"]["bytes_per_call"] > 0
+        letters = sizing["dead_letters"]
+        assert (letters["letters"], letters["in_the_store"]) == (3, True)
+        assert letters["bytes_per_letter"] > 0 and kinds[DEAD_LETTERS]["bytes"] == letters["bytes"]
+        assert sizing["results"]["calls"] == 63 and sizing["results"]["bytes_per_call"] > 0
         assert sizing["events_per_call"] >= 1 and sizing["bytes_per_global_event"] > 0
         assert sizing["calls_per_second"] > 0
         assert sizing["retention_seconds"] == 7 * 24 * 3600
@@ -203,7 +213,7 @@ def test_the_store_command_and_the_gauges_report_the_sizing(
         assert "maxmemory 67.1 MB (policy noeviction)" in said
         for line in ("run streams", "journal entries", "celery results", "read_only",
                      "idempotent_write", "non_idempotent_write", "(Celery result)",
-                     "a call's keys live 7 days", "Projected memory:", "WARNING: at "):
+                     "a call's keys live 7 days", "Dead letters: 3, ", "Projected memory:", "WARNING: at "):
             assert line in said, line
         # A sample smaller than the store: extrapolated, and said so.
         small = json.loads(invoke(app, "store", "--sizing", "--json", "--sample", "50",
@@ -221,13 +231,14 @@ def test_the_store_command_and_the_gauges_report_the_sizing(
         assert scraped[PROJECTED_MEMORY_GAUGE][()] > 64 * 1024 * 1024
         assert scraped[CALL_RATE_GAUGE][()] > 0
         assert set(scraped[BYTES_PER_CALL_GAUGE]) == {(("effect", e),) for e in TOOLS}
-        assert scraped[KEYS_GAUGE][((("kind", RUN_STREAMS),))] == 60
+        assert scraped[KEYS_GAUGE][((("kind", RUN_STREAMS),))] == 63
         # Cached between scrapes: more calls change nothing until it is measured again.
+        events = int(client.xlen(keys.global_events))
         call_all(app, "tools.read", 5, "more")
-        wait_for(copied(client, keys, 65), timeout=30, what="the global stream's copies")
-        assert scrape(registry)[KEYS_GAUGE][((("kind", RUN_STREAMS),))] == 60
+        wait_for(copied(client, keys, events + 5), timeout=30, what="the global stream's copies")
+        assert scrape(registry)[KEYS_GAUGE][((("kind", RUN_STREAMS),))] == 63
         gauges.sizing_ttl = 0
-        assert scrape(registry)[KEYS_GAUGE][((("kind", RUN_STREAMS),))] == 65
+        assert scrape(registry)[KEYS_GAUGE][((("kind", RUN_STREAMS),))] == 68
 
 
 def scrape(registry: CollectorRegistry) -> dict[str, dict[tuple[Any, ...], float]]:

@@ -112,6 +112,22 @@ class EffectSize:
 
 
 @dataclass
+class LetterSize:
+    """The dead letters, every key of theirs measured (they are few: a handful
+    per queue and per reason, failure class and effect)."""
+
+    letters: int = 0
+    keys: int = 0
+    bytes: int = 0
+    #: Whether they are kept in the store's Redis (else in the broker's).
+    in_the_store: bool = True
+
+    @property
+    def bytes_per_letter(self) -> int:
+        return round(self.bytes / self.letters) if self.letters else 0
+
+
+@dataclass
 class Sizing:
     """What :func:`measure_store` found."""
 
@@ -124,6 +140,7 @@ class Sizing:
     total_keys: int
     scanned: int
     kinds: dict[str, KindSize]
+    dead_letters: LetterSize
     #: The package's bytes per call by effect, and Celery's result per call.
     effects: dict[str, EffectSize]
     results: EffectSize
@@ -160,6 +177,8 @@ class Sizing:
                            for size in self.effects.values()]
         data["results"] = dict(asdict(self.results),
                                bytes_per_call=self.results.bytes_per_call)
+        data["dead_letters"] = dict(asdict(self.dead_letters),
+                                    bytes_per_letter=self.dead_letters.bytes_per_letter)
         return data
 
 
@@ -205,6 +224,9 @@ def measure_store(app: Celery, runtime: ToolRuntime, *, sample: int = SAMPLE_KEY
     global_bytes = int(client.memory_usage(keys.global_events) or 0)
     global_events = int(client.xlen(keys.global_events) or 0)
     kinds[GLOBAL_STREAM].keys, kinds[GLOBAL_STREAM].bytes = int(global_events > 0), global_bytes
+    letters = _dead_letters(runtime, keys)
+    if letters.in_the_store:
+        kinds[DEAD_LETTERS].keys, kinds[DEAD_LETTERS].bytes = letters.keys, letters.bytes
     effects, results, events, calls = _per_effect(client, keys, [key for key, kind in named
                                                         if kind == RUN_STREAMS][:runs],
                                          app, results_here)
@@ -213,7 +235,8 @@ def measure_store(app: Celery, runtime: ToolRuntime, *, sample: int = SAMPLE_KEY
         server=address_of(client), used_memory=memory.get("used_memory", 0),
         maxmemory=memory.get("maxmemory", 0),
         maxmemory_policy=str(memory.get("maxmemory_policy", "")),
-        total_keys=total, scanned=len(sampled), kinds=kinds, effects=effects, results=results,
+        total_keys=total, scanned=len(sampled), kinds=kinds, dead_letters=letters,
+        effects=effects, results=results,
         events_per_call=round(events / calls, 2) if calls else 0.0,
         bytes_per_global_event=round(global_bytes / global_events) if global_events else 0,
         calls_per_second=rate, rate_window_seconds=span,
@@ -334,6 +357,28 @@ def _pipelined(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
             pipe.execute_command(*command)
         found += pipe.execute(raise_on_error=False)
     return [None if isinstance(value, Exception) else value for value in found]
+
+
+def _dead_letters(runtime: ToolRuntime, keys: Keys) -> LetterSize:
+    """Every dead-letter key, found from the queues and facets they list."""
+    client = runtime.dead_letters.client
+    store = runtime.audit.client
+    found = LetterSize(in_the_store=client is store or (
+        runtime.settings.dead_letter_url == runtime.settings.redis_url))
+    queues = sorted(_text(queue) for queue in client.smembers(keys.dead_letter_queues))
+    facets = sorted(_text(facet) for facet in client.smembers(keys.dead_letter_facets))
+    names = [keys.dead_letter_queues, keys.dead_letter_locations, keys.dead_letter_all,
+             keys.dead_letter_facets, keys.dead_letter_counts, keys.dead_letter_replaying,
+             *(keys.dead_letters(queue) for queue in queues),
+             *(keys.dead_letter_index(queue) for queue in queues),
+             *(keys.dead_letter_facet(*facet.split(":", 1)) for facet in facets
+               if ":" in facet)]
+    usages = _pipelined(client, [("MEMORY", "USAGE", name) for name in names])
+    counts = _pipelined(client, [("HLEN", keys.dead_letters(queue)) for queue in queues])
+    found.keys = sum(1 for usage in usages if usage)
+    found.bytes = sum(int(usage or 0) for usage in usages)
+    found.letters = sum(int(count or 0) for count in counts)
+    return found
 
 
 def _results(app: Celery, runtime: ToolRuntime) -> tuple[str | None, int, bool]:

@@ -19,6 +19,7 @@ from celery_tooleffect.admin.sizing import (
     RUN_STREAMS,
     EffectSize,
     KindSize,
+    LetterSize,
     Sizing,
     classify,
     human_bytes,
@@ -70,7 +71,7 @@ def sizing(**changes: object) -> Sizing:
     kinds[GLOBAL_STREAM].bytes = 330_000
     found = Sizing(
         server="s", used_memory=6_000_000, maxmemory=0, maxmemory_policy="noeviction",
-        total_keys=3_000, scanned=3_000, kinds=kinds,
+        total_keys=3_000, scanned=3_000, kinds=kinds, dead_letters=LetterSize(),
         effects={"read_only": EffectSize("read_only", 500, 2_500_000),
                  "non_idempotent_write": EffectSize("non_idempotent_write", 500, 3_000_000)},
         results=EffectSize(RESULTS, 1_000, 300_000), events_per_call=1.5,

@@ -167,6 +167,11 @@ def _echo_sizing(sizing: Sizing, wide: bool) -> None:
     if sizing.bytes_per_global_event:
         click.echo(f"Global stream: {sizing.bytes_per_global_event} B per event "
                    f"(capped at {sizing.global_stream_maxlen} events).")
+    letters = sizing.dead_letters
+    if letters.letters:
+        where = "" if letters.in_the_store else ", in the dead-letter store (the broker's Redis)"
+        click.echo(f"Dead letters: {letters.letters}, {human_bytes(letters.bytes)} "
+                   f"({letters.bytes_per_letter} B per letter{where}); they do not expire.")
     click.echo(f"\nRate: {sizing.calls_per_second:g} calls/s (over the last "
                f"{sizing.rate_window_seconds:g} s); a call's keys live "
                f"{days(sizing.retention_seconds)}. Projected memory: "
