@@ -213,7 +213,8 @@ def test_the_store_command_and_the_gauges_report_the_sizing(
         assert "maxmemory 67.1 MB (policy noeviction)" in said
         for line in ("run streams", "journal entries", "celery results", "read_only",
                      "idempotent_write", "non_idempotent_write", "(Celery result)",
-                     "a call's keys live 7 days", "Dead letters: 3, ", "Projected memory:", "WARNING: at "):
+                     "a call's keys live 7 days", "Dead letters: 3, ", "Projected memory:",
+                     "WARNING: at "):
             assert line in said, line
         # A sample smaller than the store: extrapolated, and said so.
         small = json.loads(invoke(app, "store", "--sizing", "--json", "--sample", "50",
