@@ -236,7 +236,6 @@ class StoreGauges:
             yield replicas
         yield modes
 
-
     def sizing(self) -> Iterator[Metric]:
         """The sizing gauges, from a sizing at most :attr:`sizing_ttl` seconds old."""
         now = time.monotonic()
