@@ -23,8 +23,8 @@ def _help(*args: str) -> str:
 def test_the_top_help_names_every_command_and_cuts_none() -> None:
     shown = _help()
     description, listed = shown.split("Commands:")
-    assert set(tooleffect.commands) == {"dlq", "approvals", "audit", "runs", "tools",
-                                        "store", "flower", "mcp"}
+    assert set(tooleffect.commands) == {"dlq", "approvals", "audit", "runs", "tools", "store",
+                                        "flower", "mcp"}
     for name, command in tooleffect.commands.items():
         assert f"({name})" in " ".join(description.split())
         line = next(line for line in listed.splitlines() if line.split()[:1] == [name])

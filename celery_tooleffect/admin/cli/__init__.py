@@ -24,7 +24,7 @@ Commands, one module each::
     audit tail [--count N] [--follow] [--json | --wide]
     runs show RUN_ID [--cursor C] [--limit N] [--json | --wide]
     tools [--json | --wide]
-    store [--json | --wide]
+    store [--sizing [--sample N] [--runs N] [--window N]] [--json | --wide]
     flower [flower options]
     mcp [--transport stdio|streamable-http] [--host H] [--port P] [--tool PATTERN]...
         [--token-env NAME]
@@ -79,7 +79,7 @@ __all__ = ["main", "tooleffect"]
 #: What ``tooleffect --help`` (and ``celery-tooleffect --help``) says: every command.
 HELP = """celery-tooleffect: dead letters (dlq), calls awaiting approval (approvals),
 audit trails (audit), agent runs (runs), the tools workers declare (tools),
-what the store keeps across a restart (store), Flower with the package's pages
+the store's durability and sizing (store), Flower with the package's pages
 (flower), the MCP server (mcp)."""
 SHORT_HELP = "Dead letters, approvals, audit, runs, tools, store, Flower, MCP."
 

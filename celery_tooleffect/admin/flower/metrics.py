@@ -1,7 +1,7 @@
 """The store's gauges on Flower's ``/metrics`` (:class:`StoreGauges`), read at
 each scrape: the calls awaiting approval, the dead letters of each
-combination, the oldest dead letter's age, and what ``INFO`` says of
-evictions.
+combination, the oldest dead letter's age, what ``INFO`` says of evictions,
+and the store's sizing (sampled, and cached between scrapes).
 
 It imports prometheus_client, never Flower or tornado.
 """
@@ -24,6 +24,7 @@ from ...store.persistence import read_persistence
 from ...store.servers import JOURNAL, online_replicas, servers_of
 from ...worker.eviction import role_readings
 from ..approvals import Approvals
+from ..sizing import Sizing, measure_store
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,16 @@ EVICTED_KEYS_GAUGE = "tooleffect_store_evicted_keys"
 EVICTING_POLICY_GAUGE = "tooleffect_store_maxmemory_policy_evicting"
 DURABILITY_GAUGE = "tooleffect_store_durability"
 REPLICAS_GAUGE = "tooleffect_store_replicas_in_sync"
+USED_MEMORY_GAUGE = "tooleffect_store_used_memory_bytes"
+MAXMEMORY_GAUGE = "tooleffect_store_maxmemory_bytes"
+PROJECTED_MEMORY_GAUGE = "tooleffect_store_projected_memory_bytes"
+BYTES_PER_CALL_GAUGE = "tooleffect_store_bytes_per_call"
+CALL_RATE_GAUGE = "tooleffect_store_calls_per_second"
+KEYS_GAUGE = "tooleffect_store_keys"
+#: Seconds a sizing is served before it is measured again, and its bounds: a
+#: scrape costs at most one sizing read of the store per this many seconds.
+SIZING_TTL = 60.0
+SIZING_SAMPLE, SIZING_RUNS, SIZING_WINDOW = 2_000, 50, 500
 
 
 class StoreGauges:
@@ -62,7 +73,15 @@ class StoreGauges:
       :class:`~celery_tooleffect.store.persistence.PersistenceMode`; a server
       whose persistence cannot be read has no sample), and
       ``tooleffect_store_replicas_in_sync``: the journal store's replicas in
-      sync (``docs/redis.md#durability``).
+      sync (``docs/redis.md#durability``);
+    - the store's sizing (:func:`~celery_tooleffect.admin.sizing.measure_store`,
+      ``docs/redis.md#sizing-the-store``): ``tooleffect_store_used_memory_bytes``,
+      ``tooleffect_store_maxmemory_bytes`` (0: none set),
+      ``tooleffect_store_projected_memory_bytes`` (at the current call rate
+      for the retention), ``tooleffect_store_calls_per_second``,
+      ``tooleffect_store_bytes_per_call{effect}`` and
+      ``tooleffect_store_keys{kind}``; measured on a bounded sample at most
+      once every :data:`SIZING_TTL` seconds, served from that between.
 
     No envelope is read. A label set with nothing in it has no sample. When a
     store does not answer, its gauges have no sample at all (absent, never a
@@ -70,9 +89,12 @@ class StoreGauges:
     ``/metrics``, are served all the same.
     """
 
-    def __init__(self, approvals: Approvals, dead_letters: DeadLetters | None = None) -> None:
+    def __init__(self, approvals: Approvals, dead_letters: DeadLetters | None = None,
+                 sizing_ttl: float = SIZING_TTL) -> None:
         self.approvals = approvals
         self.dead_letters = dead_letters
+        self.sizing_ttl = sizing_ttl
+        self._sizing: tuple[float, Sizing] | None = None
 
     def families(self) -> list[GaugeMetricFamily]:
         """Empty families of the gauges, in the order they are served."""
@@ -118,16 +140,41 @@ class StoreGauges:
                 "Replicas of the journal store in sync (INFO replication; celery-tooleffect).",
             ),
         ]
+        found += self.sizing_families()
         return found
+
+    def sizing_families(self) -> list[GaugeMetricFamily]:
+        """Empty families of the sizing gauges."""
+        return [
+            GaugeMetricFamily(USED_MEMORY_GAUGE,
+                              "The store's used memory (INFO used_memory; celery-tooleffect)."),
+            GaugeMetricFamily(MAXMEMORY_GAUGE,
+                              "The store's maxmemory, 0 when none (celery-tooleffect)."),
+            GaugeMetricFamily(
+                PROJECTED_MEMORY_GAUGE,
+                "The store's memory projected at the current call rate for the retention "
+                "(celery-tooleffect)."),
+            GaugeMetricFamily(
+                CALL_RATE_GAUGE,
+                "Tool calls per second, read from the global audit stream (celery-tooleffect)."),
+            GaugeMetricFamily(
+                BYTES_PER_CALL_GAUGE,
+                "Bytes a call leaves in the store, by effect, measured on sampled runs "
+                "(celery-tooleffect).", labels=["effect"]),
+            GaugeMetricFamily(
+                KEYS_GAUGE, "The store's keys by kind, extrapolated from a sample "
+                "(celery-tooleffect).", labels=["kind"]),
+        ]
 
     def describe(self) -> list[Metric]:
         # Their names, without a scrape's Redis reads (registering calls this).
         return list(self.families())
 
     def collect(self) -> Iterator[Metric]:
-        families = self.families()
+        families = self.families()[:-len(self.sizing_families())]
         yield from self.evictions(*families[-4:-2])
         yield from self.durability(*families[-2:])
+        yield from self.sizing()
         approvals = families[0]
         stats = _served(APPROVALS_GAUGE, self.approvals.stats)
         if stats is not None:
@@ -170,7 +217,6 @@ class StoreGauges:
             yield evicted
             yield evicting
 
-
     def durability(self, modes: GaugeMetricFamily,
                    replicas: GaugeMetricFamily) -> Iterator[Metric]:
         """The persistence mode of each role's server, and the store's replicas."""
@@ -189,6 +235,30 @@ class StoreGauges:
             replicas.add_metric([], float(in_sync))
             yield replicas
         yield modes
+
+    def sizing(self) -> Iterator[Metric]:
+        """The sizing gauges, from a sizing at most :attr:`sizing_ttl` seconds old."""
+        now = time.monotonic()
+        if self._sizing is None or now - self._sizing[0] >= self.sizing_ttl:
+            measured = _served(USED_MEMORY_GAUGE, lambda: measure_store(
+                self.approvals.app, self.approvals.runtime, sample=SIZING_SAMPLE,
+                runs=SIZING_RUNS, window=SIZING_WINDOW))
+            if measured is None:
+                self._sizing = None
+                return
+            self._sizing = (now, measured)
+        sizing = self._sizing[1]
+        used, limit, projected, rate, per_call, keys = self.sizing_families()
+        used.add_metric([], float(sizing.used_memory))
+        limit.add_metric([], float(sizing.maxmemory))
+        projected.add_metric([], float(sizing.projected_memory))
+        rate.add_metric([], sizing.calls_per_second)
+        for effect, size in sorted(sizing.effects.items()):
+            per_call.add_metric([effect], float(size.bytes_per_call))
+        for kind, counted in sizing.kinds.items():
+            if counted.keys:
+                keys.add_metric([kind], float(counted.keys))
+        yield from (used, limit, projected, rate, per_call, keys)
 
 
 def _served(gauge: str, read: Callable[[], T]) -> T | None:
