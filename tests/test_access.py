@@ -54,7 +54,7 @@ WORKER_COMMANDS = {
 #: workers' commands. ``xread`` (``tooleffect audit tail --follow``) is listed
 #: in the README too but not run here.
 OPERATOR_COMMANDS = {
-    "zrem", "xrange", "hlen", "smembers", "zcard", "zrevrange", "zrevrangebyscore",
+    "zrem", "srem", "xrange", "hlen", "smembers", "zcard", "zrevrange", "zrevrangebyscore",
     "zmscore", "xrevrange", "scan",
 }
 #: Asked for but not needed: a refusal is handled (and logged) by the package
