@@ -350,15 +350,19 @@ def _read(app: Celery) -> Settings:
         dead_letter_warn_count=_count(get, "tooleffect_dead_letter_warn_count"),
         dead_letter_warn_age=_seconds(get, "tooleffect_dead_letter_warn_age"),
     )
-    return dataclasses.replace(resolved, retention=_retention(resolved, get))
+    retention = _retention(resolved, conf.get("tooleffect_retention"))
+    return dataclasses.replace(resolved, retention=retention)
 
 
-def _retention(resolved: Settings, get: Any) -> int:
+def _retention(resolved: Settings, value: Any) -> int:
     """``tooleffect_retention``: seconds, at least the journal's minimum
     (:attr:`Settings.journal_minimum`), which the other settings of
-    ``resolved`` make: an entry must outlive every redelivery of its message."""
-    value = get("tooleffect_retention")
+    ``resolved`` make: an entry must outlive every redelivery of its message.
+    ``value`` None (not set): the default or that minimum, whichever is longer."""
     minimum = resolved.journal_minimum
+    if value is None:
+        # Not set: the default grows with a long visibility timeout instead.
+        return max(int(DEFAULTS["tooleffect_retention"]), minimum)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             minimum <= value < float("inf")):
         raise ConfigurationError(

@@ -347,3 +347,14 @@ def test_the_journals_minimum_follows_the_lease_and_retry_budget() -> None:
         settings_for(app_with(tooleffect_retention=240, **conf))
     assert settings_for(app_with(tooleffect_retention=19800)).retention == 19800
     assert settings_for(app_with(tooleffect_retention=86400.0)).retention == 86400
+
+
+def test_an_unset_retention_grows_with_a_long_visibility_timeout() -> None:
+    # 2 days x 5 + 600 x 3: more than the 7 days of the default, which is not
+    # refused (the operator chose nothing) but grows to the journal's minimum.
+    long_lease = {"visibility_timeout": 2 * 86400}
+    resolved = settings_for(app_with(broker_transport_options=long_lease))
+    assert resolved.retention == resolved.journal_ttl == 2 * 86400 * 5 + 600 * 3
+    with pytest.raises(ConfigurationError, match="865800 or more"):
+        settings_for(app_with(broker_transport_options=long_lease,
+                              tooleffect_retention=7 * 24 * 3600))
