@@ -22,12 +22,20 @@ of joint counts (queue, reason, failure class and effect together), so that
 ``tooleffect_dead_letters`` gauge) is one ``HGETALL``. A letter stored by a
 release without that hash is in the indexes but not in the joint counts; its
 removal never takes a joint count below 0.
+
+Lifecycle: an unresolved letter is never dropped or expired (no key here has
+a TTL); it is counted and aged per queue (:meth:`DeadLetters.backlog`,
+:func:`backlog_warnings`). Removing a letter (replay, purge) removes every
+trace of it here, its queue and facets from their sets included once their
+index is empty; what it left in the store (journal, run stream) expires with
+the retention.
 """
 
 from __future__ import annotations
 
 import builtins
 import json
+import shlex
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -674,7 +682,7 @@ def backlog_warnings(backlog: Mapping[str, QueueBacklog], settings: Settings,
             warnings.append(
                 f"queue {queue!r} holds {entry.count} unresolved dead letter(s), the oldest "
                 f"stored {_duration(age)} ago: {' and '.join(over)}; replay or purge them "
-                f"(celery tooleffect dlq list -Q {queue})")
+                f"(celery tooleffect dlq list -Q {shlex.quote(queue)})")
     return warnings
 
 
