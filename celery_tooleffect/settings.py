@@ -7,6 +7,7 @@ back to a default, and no setting may relabel a tool's effect.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.metadata
 import math
@@ -73,6 +74,11 @@ DEFAULTS: dict[str, Any] = {
     # Flower's /metrics, with the package's gauges in it, asks for Flower's
     # authentication (--basic-auth, --auth) when Flower has one.
     "tooleffect_flower_metrics_auth": True,
+    # Unresolved dead letters: a worker at start and Flower's Dead letters page
+    # warn when a queue holds more than this many, or one older than this
+    # many seconds (docs/operations.md#dead-letters-waiting).
+    "tooleffect_dead_letter_warn_count": 100,
+    "tooleffect_dead_letter_warn_age": 24 * 3600.0,
 }
 
 
@@ -152,6 +158,12 @@ class Settings:
     #: Flower's ``/metrics`` asks for Flower's authentication, when it has one
     #: (``tooleffect_flower_metrics_auth``; False: it answers anyone, as Flower's own).
     flower_metrics_auth: bool = True
+    #: A queue with more unresolved dead letters than this is warned about
+    #: (``tooleffect_dead_letter_warn_count``).
+    dead_letter_warn_count: int = 100
+    #: A queue whose oldest unresolved dead letter is older than this many
+    #: seconds is warned about (``tooleffect_dead_letter_warn_age``).
+    dead_letter_warn_age: float = 24 * 3600.0
 
     @property
     def store_endpoint(self) -> RedisEndpoint:
@@ -176,6 +188,14 @@ class Settings:
     def backoff(self, retries: int) -> float:
         """Seconds to wait before retry number ``retries + 1``."""
         return float(min(self.backoff_base * (2**retries), self.backoff_cap))
+
+    @property
+    def journal_minimum(self) -> int:
+        """The shortest retention the journal allows: past any redelivery of a
+        message (``visibility_timeout * (max_retries + 2)``) and its retries'
+        waits (``backoff_cap * max_retries``), in whole seconds."""
+        redeliveries = self.visibility_timeout * (self.max_retries + 2)
+        return math.ceil(redeliveries + self.backoff_cap * self.max_retries)
 
     @property
     def journal_ttl(self) -> int:
@@ -280,7 +300,7 @@ def _read(app: Celery) -> Settings:
         raise ConfigurationError(
             f"tooleffect_privacy must be one of {PRIVACY_LEVELS}, not {privacy!r}"
         )
-    return Settings(
+    resolved = Settings(
         redis_url=redis_url,
         broker_url=broker_url,
         dead_letter_url=broker_url if broker_is_redis else str(redis_url),
@@ -289,7 +309,7 @@ def _read(app: Celery) -> Settings:
         backoff_base=float(get("tooleffect_backoff_base")),
         backoff_cap=float(get("tooleffect_backoff_cap")),
         privacy=privacy,
-        retention=int(get("tooleffect_retention")),
+        retention=0,  # checked against the journal's minimum below
         run_stream_maxlen=int(get("tooleffect_run_stream_maxlen")),
         global_stream_maxlen=int(get("tooleffect_global_stream_maxlen")),
         failure_classes=dict(get("tooleffect_failure_classes")),
@@ -327,7 +347,37 @@ def _read(app: Celery) -> Settings:
         mcp_allowed_hosts=_names(get, "tooleffect_mcp_allowed_hosts"),
         mcp_allowed_origins=_names(get, "tooleffect_mcp_allowed_origins"),
         flower_metrics_auth=_flag(get, "tooleffect_flower_metrics_auth"),
+        dead_letter_warn_count=_count(get, "tooleffect_dead_letter_warn_count"),
+        dead_letter_warn_age=_seconds(get, "tooleffect_dead_letter_warn_age"),
     )
+    retention = _retention(resolved, conf.get("tooleffect_retention"))
+    return dataclasses.replace(resolved, retention=retention)
+
+
+def _retention(resolved: Settings, value: Any) -> int:
+    """``tooleffect_retention``: seconds, at least the journal's minimum
+    (:attr:`Settings.journal_minimum`), which the other settings of
+    ``resolved`` make: an entry must outlive every redelivery of its message.
+    ``value`` None (not set): the default or that minimum, whichever is longer."""
+    minimum = resolved.journal_minimum
+    if value is None:
+        # Not set: the default grows with a long visibility timeout instead.
+        return max(int(DEFAULTS["tooleffect_retention"]), minimum)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            minimum <= value < float("inf")):
+        raise ConfigurationError(
+            f"tooleffect_retention must be a number of seconds, {minimum} or more (the "
+            f"journal's minimum: visibility_timeout x (max_retries + 2) + backoff_cap x "
+            f"max_retries), not {value!r}")
+    return int(value)
+
+
+def _count(get: Any, key: str) -> int:
+    """Setting ``key``: a whole number, 0 or more."""
+    value = get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{key} must be a whole number, 0 or more, not {value!r}")
+    return value
 
 
 def _positive(get: Any, key: str) -> int:

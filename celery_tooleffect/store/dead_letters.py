@@ -22,12 +22,20 @@ of joint counts (queue, reason, failure class and effect together), so that
 ``tooleffect_dead_letters`` gauge) is one ``HGETALL``. A letter stored by a
 release without that hash is in the indexes but not in the joint counts; its
 removal never takes a joint count below 0.
+
+Lifecycle: an unresolved letter is never dropped or expired (no key here has
+a TTL); it is counted and aged per queue (:meth:`DeadLetters.backlog`,
+:func:`backlog_warnings`). Removing a letter (replay, purge) removes every
+trace of it here, its queue and facets from their sets included once their
+index is empty; what it left in the store (journal, run stream) expires with
+the retention.
 """
 
 from __future__ import annotations
 
 import builtins
 import json
+import shlex
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -392,6 +400,31 @@ class DeadLetters:
             if (entries := _entries(reply))
         }
 
+    def backlog(self) -> dict[str, QueueBacklog]:
+        """How many unresolved dead letters each queue holds and when its oldest
+        was stored, for the queues that hold one.
+
+        Two round trips whatever the number of letters: the set of queues,
+        then ``ZCARD`` and the lowest score of each queue's index, pipelined.
+        Raises :class:`StoreUnavailable`.
+        """
+        try:
+            queues = self.queues()
+            pipe = self.client.pipeline(transaction=False)
+            for queue in queues:
+                index = self.keys.dead_letter_index(queue)
+                pipe.zcard(index)
+                pipe.zrevrange(index, -1, -1, withscores=True)
+            replies = pipe.execute() if queues else []
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
+        found: dict[str, QueueBacklog] = {}
+        for i, queue in enumerate(queues):
+            count, oldest = int(replies[2 * i]), _entries(replies[2 * i + 1])
+            if count and oldest:
+                found[queue] = QueueBacklog(queue, count, oldest[0][1])
+        return found
+
     def stats(self) -> DeadLetterStats:
         """How many dead letters there are, by queue, reason, failure class and effect,
         and of each combination of the four (:meth:`counts`).
@@ -509,8 +542,8 @@ class DeadLetters:
         now = repr(time.time())
         calls: builtins.list[tuple[builtins.list[KeyOrArg], builtins.list[KeyOrArg]]] = [
             ([*self._remove_keys(entry.letter, entry.queue)],
-             [entry.letter.task_id, entry.raw, "move", entry.queue, now,
-              combination_field(entry.letter)]) for entry in held]
+             self._remove_arguments(entry.letter, entry.raw, "move", entry.queue, now))
+            for entry in held]
         try:
             answers = script("dead_letter_remove").call_many(self.client, calls)
         except redis.RedisError as exc:
@@ -532,9 +565,17 @@ class DeadLetters:
             self.keys.dead_letter_locations,
             self.keys.dead_letter_replaying,
             self.keys.dead_letter_counts,
+            self.keys.dead_letter_queues,
+            self.keys.dead_letter_facets,
             self.keys.dead_letter_index(queue),
             *self.shared_index_keys(letter),
         ]
+
+    def _remove_arguments(self, letter: DeadLetter, raw: KeyOrArg, mode: str, queue: str,
+                          now: str) -> builtins.list[KeyOrArg]:
+        """The ARGV of ``dead_letter_remove.lua`` for ``letter`` (read as ``raw``)."""
+        return [letter.task_id, raw, mode, queue, now, combination_field(letter),
+                *(f"{facet}:{value}" for facet, value in facets_of(letter))]
 
     def _remove(self, task_id: str, mode: str) -> DeadLetter | None:
         for _ in range(10):  # the letter changes only when a late outcome is copied onto it
@@ -549,7 +590,7 @@ class DeadLetters:
                 taken = script("dead_letter_remove")(
                     self.client,
                     self._remove_keys(letter, queue),
-                    [task_id, raw, mode, queue, repr(time.time()), combination_field(letter)],
+                    self._remove_arguments(letter, raw, mode, queue, repr(time.time())),
                 )
             except redis.RedisError as exc:
                 raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
@@ -609,6 +650,48 @@ class HeldLetter:
     letter: DeadLetter
     raw: bytes
     queue: str
+
+
+@dataclass(frozen=True)
+class QueueBacklog:
+    """The unresolved dead letters of one queue: how many, and when the oldest
+    of them was stored (unix seconds)."""
+
+    queue: str
+    count: int
+    oldest_at: float
+
+
+def backlog_warnings(backlog: Mapping[str, QueueBacklog], settings: Settings,
+                     now: float) -> list[str]:
+    """What to warn about in ``backlog``: one line per queue holding more dead
+    letters than ``tooleffect_dead_letter_warn_count``, or one stored longer
+    ago than ``tooleffect_dead_letter_warn_age`` seconds; sorted by queue."""
+    warnings = []
+    for queue in sorted(backlog):
+        entry = backlog[queue]
+        age = max(now - entry.oldest_at, 0.0)
+        over = []
+        if entry.count > settings.dead_letter_warn_count:
+            over.append(f"more than tooleffect_dead_letter_warn_count "
+                        f"({settings.dead_letter_warn_count})")
+        if age > settings.dead_letter_warn_age:
+            over.append(f"older than tooleffect_dead_letter_warn_age "
+                        f"({settings.dead_letter_warn_age:g}s)")
+        if over:
+            warnings.append(
+                f"queue {queue!r} holds {entry.count} unresolved dead letter(s), the oldest "
+                f"stored {_duration(age)} ago: {' and '.join(over)}; replay or purge them "
+                f"(celery tooleffect dlq list -Q {shlex.quote(queue)})")
+    return warnings
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in the largest whole unit: 45s, 12m, 5h, 3d."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,11 @@ error; one that only weakens it is warned about loudly:
 - behind Sentinel, a master name the Sentinels do not know, and replicas or
   fsync asked for (``tooleffect_store_replicas``, ``tooleffect_store_fsync``)
   that the store cannot give, are refused; a store with replicas and no
-  ``WAIT`` is warned about (:mod:`celery_tooleffect.worker.replication`).
+  ``WAIT`` is warned about (:mod:`celery_tooleffect.worker.replication`);
+- a queue holding more unresolved dead letters than
+  ``tooleffect_dead_letter_warn_count``, or one older than
+  ``tooleffect_dead_letter_warn_age``, is warned about (an unreachable
+  dead-letter store is not: the checks above speak for it).
 
 Every warning it logs names its section of ``docs/operations.md`` ("Start-up
 warnings": what it means and what to do), e.g. ``see
@@ -55,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from celery import bootsteps
@@ -62,6 +67,7 @@ from celery import bootsteps
 from ..effect import ToolEffect
 from ..errors import ConfigurationError, StoreUnavailable
 from ..settings import Settings, settings_for
+from ..store.dead_letters import backlog_warnings
 from ..store.declarations import EffectDeclarations, WorkerDeclaration, disagreements
 from ..store.runtime import runtime_for
 from .eviction import EvictionWatch, eviction_check
@@ -140,6 +146,13 @@ def run_checks(app: Any) -> None:
         logger.warning("celery-tooleffect: %s; see docs/operations.md#replicas", warning)
     for warning in eviction_warnings:
         logger.warning("celery-tooleffect: %s; see docs/operations.md#eviction", warning)
+    try:
+        waiting = backlog_warnings(runtime.dead_letters.backlog(), settings, time.time())
+    except StoreUnavailable:
+        waiting = []  # a worker starts without its dead letters; they are not lost
+    for warning in waiting:
+        logger.warning("celery-tooleffect: %s; see docs/operations.md#dead-letters-waiting",
+                       warning)
     if not settings.broker_is_redis:
         interval = heartbeat_interval(settings, None)
         logger.warning(

@@ -11,7 +11,8 @@ TE_QUEUE_TYPE and TE_DELIVERY_LIMIT (a RabbitMQ quorum queue),
 TE_BROKER_HEARTBEAT (``broker_heartbeat``), TE_CONSUMER_TIMEOUT
 (``tooleffect_rabbitmq_consumer_timeout``), TE_RECONCILE_TIMEOUT
 (``tooleffect_reconcile_timeout``), TE_APPROVAL_TIMEOUT
-(``tooleffect_approval_timeout``), TE_KILL_ON_PARK (the worker kills itself
+(``tooleffect_approval_timeout``), TE_DLQ_WARN_COUNT and TE_DLQ_WARN_AGE
+(``tooleffect_dead_letter_warn_count``, ``_warn_age``), TE_KILL_ON_PARK (the worker kills itself
 once, when it has parked a call and before it acknowledges it). Each
 body counts its executions, records the pid of the process running it, and
 holds until released or its hold ends.
@@ -73,6 +74,9 @@ app.conf.update(
             os.environ.get("TE_CONSUMER_TIMEOUT") or 1800),
         tooleffect_reconcile_timeout=float(os.environ.get("TE_RECONCILE_TIMEOUT") or 30),
         tooleffect_approval_timeout=float(os.environ.get("TE_APPROVAL_TIMEOUT") or 24 * 3600),
+        # The thresholds of the unresolved dead letters' warnings.
+        tooleffect_dead_letter_warn_count=int(os.environ.get("TE_DLQ_WARN_COUNT") or 100),
+        tooleffect_dead_letter_warn_age=float(os.environ.get("TE_DLQ_WARN_AGE") or 86400),
         # Flower's /metrics behind Flower's authentication (the default) or not.
         tooleffect_flower_metrics_auth=os.environ.get("TE_FLOWER_METRICS_AUTH", "1") != "0",
         # AMQP heartbeats (seconds): how soon RabbitMQ notices a silent worker.

@@ -291,3 +291,70 @@ def test_a_misspelt_setting_is_told_the_one_it_likely_meant(
     assert said in str(refused.value)
     for text in unsaid:
         assert text not in str(refused.value)
+
+
+def test_the_settings_table_lists_every_setting_and_only_those() -> None:
+    documented = set(re.findall(r"^\| `(tooleffect_[a-z_]+)` \|", CONFIGURATION.read_text(),
+                                flags=re.MULTILINE))
+    assert documented == set(DEFAULTS)
+
+
+def test_the_dead_letter_thresholds() -> None:
+    resolved = settings_for(app_with())
+    assert (resolved.dead_letter_warn_count, resolved.dead_letter_warn_age) == (100, 86400.0)
+    set_ = settings_for(app_with(tooleffect_dead_letter_warn_count=0,
+                                 tooleffect_dead_letter_warn_age="3600"))
+    assert (set_.dead_letter_warn_count, set_.dead_letter_warn_age) == (0, 3600.0)
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("tooleffect_dead_letter_warn_count", -1, "a whole number, 0 or more, not -1"),
+    ("tooleffect_dead_letter_warn_count", "many", "a whole number, 0 or more, not 'many'"),
+    ("tooleffect_dead_letter_warn_count", 2.5, "a whole number, 0 or more, not 2.5"),
+    ("tooleffect_dead_letter_warn_count", True, "a whole number, 0 or more, not True"),
+    ("tooleffect_dead_letter_warn_age", -60, "a number of seconds, 0 or more, not -60"),
+    ("tooleffect_dead_letter_warn_age", "a day", "a number of seconds, 0 or more, not 'a day'"),
+    ("tooleffect_dead_letter_warn_age", float("inf"), "0 or more, not inf"),
+])
+def test_a_bad_dead_letter_threshold_is_refused_naming_its_smallest_value(
+        key: str, value: Any, said: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        settings_for(app_with(**{key: value}))
+    assert str(refused.value).startswith(f"{key} must be")
+    assert said in str(refused.value)
+
+
+@pytest.mark.parametrize("value", [60, 19799, -1, 0, "a week", "604800", True, float("inf"),
+                                   [604800]])
+def test_a_retention_below_the_journals_minimum_is_refused(value: Any) -> None:
+    # Defaults: a visibility timeout of 3600 s, 3 retries, a 600 s backoff cap:
+    # 3600 x 5 + 600 x 3 = 19800 s.
+    with pytest.raises(ConfigurationError) as refused:
+        settings_for(app_with(tooleffect_retention=value))
+    assert str(refused.value).startswith(
+        "tooleffect_retention must be a number of seconds, 19800 or more (the journal's "
+        "minimum: visibility_timeout x (max_retries + 2) + backoff_cap x max_retries)")
+
+
+def test_the_journals_minimum_follows_the_lease_and_retry_budget() -> None:
+    conf = dict(broker_transport_options={"visibility_timeout": 60}, tooleffect_max_retries=2,
+                tooleffect_backoff_cap=0.5)
+    # 60 x 4 + 0.5 x 2 = 241 s: the smallest retention allowed, and the journal's TTL.
+    resolved = settings_for(app_with(tooleffect_retention=241, **conf))
+    assert resolved.journal_minimum == 241
+    assert resolved.retention == resolved.journal_ttl == 241
+    with pytest.raises(ConfigurationError, match=r"241 or more .* not 240"):
+        settings_for(app_with(tooleffect_retention=240, **conf))
+    assert settings_for(app_with(tooleffect_retention=19800)).retention == 19800
+    assert settings_for(app_with(tooleffect_retention=86400.0)).retention == 86400
+
+
+def test_an_unset_retention_grows_with_a_long_visibility_timeout() -> None:
+    # 2 days x 5 + 600 x 3: more than the 7 days of the default, which is not
+    # refused (the operator chose nothing) but grows to the journal's minimum.
+    long_lease = {"visibility_timeout": 2 * 86400}
+    resolved = settings_for(app_with(broker_transport_options=long_lease))
+    assert resolved.retention == resolved.journal_ttl == 2 * 86400 * 5 + 600 * 3
+    with pytest.raises(ConfigurationError, match="865800 or more"):
+        settings_for(app_with(broker_transport_options=long_lease,
+                              tooleffect_retention=7 * 24 * 3600))

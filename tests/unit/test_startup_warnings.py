@@ -48,7 +48,8 @@ def warnings_in(module: str) -> list[tuple[int, str]]:
 def test_every_startup_warning_names_an_existing_section_of_the_docs() -> None:
     sections = startup_sections()
     assert {"prefetch", "heartbeats-on-rabbitmq", "retry-delay", "persistence", "eviction",
-            "replicas", "declared-effects", "task-events-for-flower"} <= sections
+            "replicas", "declared-effects", "task-events-for-flower",
+            "dead-letters-waiting"} <= sections
     named = set()
     for module in MODULES:
         for line, literal in warnings_in(module):

@@ -262,7 +262,8 @@ def dlq_replay(ctx: click.Context, task_ids: tuple[str, ...], replay_all: bool,
 @click.option("--all", "purge_all", is_flag=True,
               help="Every dead letter matching the filters and --older-than.")
 @click.option("--older-than", type=Duration(), metavar="DURATION",
-              help="With --all: stored longer ago than this (90s, 15m, 2h, 7d, 1w).")
+              help="Every dead letter matching the filters stored longer ago than this "
+                   "(90s, 15m, 2h, 7d, 1w; 0s: every age).")
 @_filters
 @click.option("--reason", "why", default="", help="Why: written in the audit event.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
@@ -274,11 +275,15 @@ def dlq_purge(ctx: click.Context, task_ids: tuple[str, ...], purge_all: bool,
               older_than: float | None, queue: str | None, dead_letter_reason: str | None,
               failure_class: str | None, effect: str | None, why: str, yes: bool,
               as_json: bool) -> None:
-    """Delete dead letters for good (audited). Asks first unless --yes."""
+    """Delete dead letters for good (audited). Asks first unless --yes.
+
+    ``--older-than DURATION`` without task ids is ``--all --older-than DURATION``."""
     if purge_all and task_ids:
         raise click.UsageError("give task ids or --all, not both")
+    if not task_ids and older_than is not None:
+        purge_all = True  # the age selects, as --all --older-than does
     if not purge_all and not task_ids:
-        raise click.UsageError("give at least one task id, or --all --older-than DURATION")
+        raise click.UsageError("give at least one task id, or --older-than DURATION")
     if purge_all and older_than is None:
         raise click.UsageError("--all needs --older-than DURATION (use 0s for every age)")
     if not purge_all and (older_than is not None or queue or failure_class or effect

@@ -130,6 +130,7 @@ class DeadLettersPage(_DeadLetterHandler, BaseHandler):  # type: ignore[misc]
     async def render_list(self, result: ActionResult | None = None, status: int = 200) -> None:
         query, cursor, limit, found = await self.listing(PAGE_SIZE)
         stats = await self.blocking(self.operations.stats)
+        waiting = await self.blocking(self.operations.backlog_warnings)
         self.set_status(status)
         self.render(
             "tooleffect_dead_letters.html",
@@ -144,6 +145,7 @@ class DeadLettersPage(_DeadLetterHandler, BaseHandler):  # type: ignore[misc]
             classes=FAILURE_CLASSES,
             effects=EFFECTS,
             result=result,
+            waiting=waiting,
         )
 
 

@@ -13,7 +13,13 @@ from ...errors import StoreUnavailable
 from ...events import AuditEvent
 from ...store.audit import worker_identity
 from ...store.chords import chord_member, chord_refusal
-from ...store.dead_letters import Cursor, DeadLetter, DeadLetterQuery, DeadLetterStats
+from ...store.dead_letters import (
+    Cursor,
+    DeadLetter,
+    DeadLetterQuery,
+    DeadLetterStats,
+    backlog_warnings,
+)
 from ...store.journal import JournalRef
 from ...store.runtime import ToolRuntime, runtime_for
 from ...worker.execution import reconciler
@@ -45,6 +51,13 @@ class OperationsBase:
 
     def stats(self) -> DeadLetterStats:
         return self.runtime.dead_letters.stats()
+
+    def backlog_warnings(self) -> list[str]:
+        """The queues whose unresolved dead letters pass a threshold
+        (``tooleffect_dead_letter_warn_count``, ``_warn_age``), one line each.
+        Raises :class:`StoreUnavailable`."""
+        return backlog_warnings(self.runtime.dead_letters.backlog(), self.runtime.settings,
+                                time.time())
 
     def detail(self, task_id: str, *, page: bool = False) -> dict[str, Any] | None:
         """:func:`letter_detail` of ``task_id``'s letter (or of one being replayed), or
