@@ -101,6 +101,11 @@ class Monitor:
 # -- Celery settings -------------------------------------------------------------------
 
 
+#: The addresses a block of the docs may name for its store and broker, which
+#: tests/test_docs_code.py replaces with its own redis-server's.
+DOCS_ADDRESSES = ("redis://localhost:6379/0", "redis://127.0.0.1:6379/0")
+
+
 def app_config(prefix: str, **overrides: Any) -> dict[str, Any]:
     """The test suite's Celery settings: every key under ``prefix`` on
     :data:`REDIS_URL`, queue ``tools``, short retry backoff (``overrides`` win)."""

@@ -13,8 +13,8 @@ A block's fence says which it is (mkdocs shows the title above the block)::
     ```python                            a script: run as it is
 
 What runs, runs in a fresh interpreter against a ``redis-server`` of the test's
-own: ``redis://localhost:6379/0`` in a block is its address, nothing else is
-changed.
+own, one per block: the default address in a block (``DOCS_ADDRESSES``) is
+replaced with its address, nothing else is changed.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ import pytest
 import redis
 
 from celery_tooleffect.testing import RedisServer, redis_server, start_celery_worker
+from tests.support import DOCS_ADDRESSES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?:python|py)(?P<info>[^\n]*)\n(?P<body>.*?)"
                    r"^(?P=indent)```[ \t]*$", re.M | re.S)
 TITLE = re.compile(r'title="([^"]*)"')
-#: The addresses a block may name for the store and broker: the test's Redis.
-ADDRESSES = ("redis://localhost:6379/0", "redis://127.0.0.1:6379/0")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,8 +93,10 @@ def test_every_block_is_a_module_a_script_or_a_marked_fragment() -> None:
         compile(block.source, str(block), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server() -> Iterator[RedisServer]:
+    """A redis-server of the block's own: it starts empty, so nothing of
+    another block is seen, and nothing is flushed."""
     # AOF fsynced on every write, as the docs ask of a store: the worker starts
     # without a word about it.
     with redis_server("--appendonly", "yes", "--appendfsync", "always") as started:
@@ -111,9 +112,8 @@ def _python(arguments: list[str], folder: Path) -> subprocess.CompletedProcess[s
 @pytest.mark.parametrize("block", RUN, ids=str)
 def test_a_block_runs_as_shown(block: Block, server: RedisServer, tmp_path: Path) -> None:
     client = server.client()
-    client.flushall()
     source = block.source
-    for address in ADDRESSES:
+    for address in DOCS_ADDRESSES:
         source = source.replace(address, server.url)
     name = block.title if block.kind == "module" else "script.py"
     (tmp_path / name).write_text(source, encoding="utf-8")
