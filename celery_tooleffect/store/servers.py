@@ -69,3 +69,43 @@ def online_replicas(client: redis.Redis) -> int:
     info: dict[str, Any] = dict(client.info("replication"))
     return sum(1 for name, value in info.items() if name.startswith("slave")
                and isinstance(value, dict) and value.get("state") == "online")
+
+
+def policy_evicts(policy: str) -> bool:
+    """Whether ``maxmemory-policy`` ``policy`` may evict a key the package keeps
+    (every key of the package has a TTL, so ``volatile-*`` may too)."""
+    return policy.strip().lower() != "noeviction"
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What ``INFO`` says of the servers of one role."""
+
+    evicted_keys: int
+    evicting: bool
+
+
+def role_readings(found: list[Server]) -> tuple[dict[str, Reading], dict[str, Exception]]:
+    """Each role's :class:`Reading` (one ``INFO`` per server; a cluster's primaries
+    summed), and the roles whose servers did not answer, with why."""
+    readings: dict[str, Reading] = {}
+    failed: dict[str, Exception] = {}
+    for server in found:
+        try:
+            info = server.client.info()
+            reading = Reading(int(info.get("evicted_keys", 0)),
+                              policy_evicts(text(info.get("maxmemory_policy", "noeviction"))))
+        except Exception as exc:
+            for role in server.roles:
+                failed[role] = exc
+            continue
+        for role in server.roles:
+            before = readings.get(role, Reading(0, False))
+            readings[role] = Reading(before.evicted_keys + reading.evicted_keys,
+                                     before.evicting or reading.evicting)
+    return {role: reading for role, reading in readings.items() if role not in failed}, failed
+
+
+def text(value: Any) -> str:
+    """A reply's bytes or value as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)

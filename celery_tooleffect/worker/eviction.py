@@ -18,20 +18,26 @@ again, an evicted dead letter can be neither replayed nor inspected. So:
   :data:`CHECK_INTERVAL` seconds; a rise since the worker started is logged
   once per server, as a WARNING;
 - Flower's ``/metrics`` serves ``tooleffect_store_evicted_keys{store}`` and
-  ``tooleffect_store_maxmemory_policy_evicting{store}`` (:func:`role_readings`),
+  ``tooleffect_store_maxmemory_policy_evicting{store}`` (:func:`~celery_tooleffect.store.servers.role_readings`),
   ``store`` being ``journal`` or ``dead_letters``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from celery import bootsteps
 
 from ..store.runtime import ToolRuntime, runtime_for
-from ..store.servers import DEAD_LETTERS, JOURNAL, Server, servers_of
+from ..store.servers import (
+    DEAD_LETTERS,
+    JOURNAL,
+    Server,
+    policy_evicts,
+    servers_of,
+    text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +52,6 @@ CONSEQUENCES = {
 
 #: :func:`verdict`'s answers.
 OK, WARN, REFUSE = "ok", "warn", "refuse"
-
-
-def policy_evicts(policy: str) -> bool:
-    """Whether ``maxmemory-policy`` ``policy`` may evict a key the package keeps
-    (every key of the package has a TTL, so ``volatile-*`` may too)."""
-    return policy.strip().lower() != "noeviction"
 
 
 def verdict(policy: str, maxmemory: int) -> str:
@@ -79,14 +79,10 @@ def memory_policy(client: Any) -> tuple[str, int]:
     """``(maxmemory-policy, maxmemory)`` of the server: ``CONFIG GET``, else ``INFO memory``."""
     try:
         config = client.config_get("maxmemory*")
-        return _text(config["maxmemory-policy"]), int(config["maxmemory"])
+        return text(config["maxmemory-policy"]), int(config["maxmemory"])
     except Exception:  # CONFIG refused or renamed (managed Redis): INFO says it too
         info = client.info("memory")
-        return _text(info["maxmemory_policy"]), int(info["maxmemory"])
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+        return text(info["maxmemory_policy"]), int(info["maxmemory"])
 
 
 def eviction_check(runtime: ToolRuntime) -> tuple[list[str], list[str]]:
@@ -121,35 +117,6 @@ def eviction_check(runtime: ToolRuntime) -> tuple[list[str], list[str]]:
                 f"maxmemory is set, {consequence}; set maxmemory-policy noeviction"
             )
     return refusals, warnings
-
-
-@dataclass(frozen=True)
-class Reading:
-    """What ``INFO`` says of the servers of one role."""
-
-    evicted_keys: int
-    evicting: bool
-
-
-def role_readings(found: list[Server]) -> tuple[dict[str, Reading], dict[str, Exception]]:
-    """Each role's :class:`Reading` (one ``INFO`` per server; a cluster's primaries
-    summed), and the roles whose servers did not answer, with why."""
-    readings: dict[str, Reading] = {}
-    failed: dict[str, Exception] = {}
-    for server in found:
-        try:
-            info = server.client.info()
-            reading = Reading(int(info.get("evicted_keys", 0)),
-                              policy_evicts(_text(info.get("maxmemory_policy", "noeviction"))))
-        except Exception as exc:
-            for role in server.roles:
-                failed[role] = exc
-            continue
-        for role in server.roles:
-            before = readings.get(role, Reading(0, False))
-            readings[role] = Reading(before.evicted_keys + reading.evicted_keys,
-                                     before.evicting or reading.evicting)
-    return {role: reading for role, reading in readings.items() if role not in failed}, failed
 
 
 class EvictionWatcher:

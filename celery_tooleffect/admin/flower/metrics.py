@@ -21,8 +21,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from ...store.dead_letters import DeadLetters
 from ...store.persistence import read_persistence
-from ...store.servers import JOURNAL, online_replicas, servers_of
-from ...worker.eviction import role_readings
+from ...store.servers import JOURNAL, online_replicas, role_readings, servers_of
 from ..approvals import Approvals
 from ..sizing import Sizing, measure_store
 
