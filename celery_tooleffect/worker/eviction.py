@@ -18,8 +18,9 @@ again, an evicted dead letter can be neither replayed nor inspected. So:
   :data:`CHECK_INTERVAL` seconds; a rise since the worker started is logged
   once per server, as a WARNING;
 - Flower's ``/metrics`` serves ``tooleffect_store_evicted_keys{store}`` and
-  ``tooleffect_store_maxmemory_policy_evicting{store}`` (:func:`~celery_tooleffect.store.servers.role_readings`),
-  ``store`` being ``journal`` or ``dead_letters``.
+  ``tooleffect_store_maxmemory_policy_evicting{store}``
+  (:func:`~celery_tooleffect.store.servers.role_readings`), ``store`` being
+  ``journal`` or ``dead_letters``.
 """
 
 from __future__ import annotations
