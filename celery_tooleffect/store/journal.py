@@ -163,6 +163,8 @@ class Journal:
             keys += [broker_lease.mutex_key, broker_lease.index_key]
             lease_args = [broker_lease.tag, f"{broker_lease.score_for(broker_lease_end):.6f}"]
         writer = "" if self.settings.redis_cluster else self.keys.writer(INTENTS.name)
+        # The count is the store's: two stores under one prefix count apart.
+        counted = f"{self.settings.store_endpoint.identity()}{writer}"
         if writer:
             keys += [writer, self.keys.rollback]
         args: list[str | int] = [
@@ -177,7 +179,7 @@ class Journal:
             *lease_args,
             tool,
             call_digest,
-            INTENTS.seen(writer) if writer else "",
+            INTENTS.seen(counted) if writer else "",
             "first" if first_delivery else "" if sent_at is None else f"{sent_at:.6f}",
             *flatten(event),
         ]
@@ -201,7 +203,7 @@ class Journal:
         verdict = Verdict(text(answer[0]))
         attempt, detail, handled_as, count, rolled_back = answer[1:6]
         if count:
-            INTENTS.acknowledged(writer, int(count))
+            INTENTS.acknowledged(counted, int(count))
         if rolled_back == b"1":
             logger.warning(
                 "celery-tooleffect: the store (%s) holds fewer intents than it acknowledged to "

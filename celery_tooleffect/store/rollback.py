@@ -54,8 +54,9 @@ class IntentCounter:
     """This process's name, and the count of intents each store acknowledged to it.
 
     One per process: a forked pool child starts its own counts (its parent's
-    are not the child's), under a name of its own. Counts are kept per writer
-    key, so that apps with other stores or prefixes in one process do not mix.
+    are not the child's), under a name of its own. Counts are kept per store
+    and writer key, so that apps with other stores or prefixes in one process
+    do not mix.
     """
 
     def __init__(self) -> None:
@@ -78,13 +79,13 @@ class IntentCounter:
             return self._name
 
     def seen(self, key: str) -> int:
-        """The count the store of writer key ``key`` last acknowledged."""
+        """The count last acknowledged under ``key`` (a store and its writer key)."""
         with self._lock:
             self._here()
             return self._seen.get(key, 0)
 
     def acknowledged(self, key: str, count: int) -> None:
-        """The store of writer key ``key`` acknowledged ``count``."""
+        """The store acknowledged ``count`` under ``key`` (a store and its writer key)."""
         with self._lock:
             self._here()
             if count > self._seen.get(key, 0):
