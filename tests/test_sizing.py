@@ -54,6 +54,15 @@ TOOLS = {"read_only": "tools.read", "idempotent_write": "tools.idempotent",
 #: docs' figures), dead letters measured.
 CALLS = int(os.environ.get("TOOLEFFECT_TEST_SIZING_CALLS") or 300)
 LETTERS = 200
+#: redis-server options of the measurement's server (TOOLEFFECT_TEST_SIZING_REDIS_ARGS,
+#: e.g. ``--stream-node-max-bytes 512``: the figures docs/redis.md quotes for it).
+SERVER_ARGS = tuple(os.environ.get("TOOLEFFECT_TEST_SIZING_REDIS_ARGS", "").split())
+#: One audit event as a run stream holds it (the fields of a READ_ONLY call's outcome).
+EVENT = ["seq", "1", "run_id", "6f1c0a52-3a77-4b8e-9d0e-1f2a3b4c5d6e",
+         "task_id", "6f1c0a52-3a77-4b8e-9d0e-1f2a3b4c5d6e", "tool", "tools.read",
+         "effect", "READ_ONLY", "phase", "done", "status", "ok", "worker", "host:4242",
+         "queue", "tools", "redelivered", "0", "ts", "1765000000.123456",
+         "prev", "", "hash", "0123456789abcdef0123456789abcdef01234567"]
 
 
 def memory(client: redis.Redis, keys: list[str]) -> dict[str, int]:
@@ -88,7 +97,7 @@ def call_all(app: Celery, tool: str, count: int, tag: str) -> None:
 def test_bytes_per_call_by_effect_per_event_and_per_dead_letter(
     make_app: Callable[..., Celery], spawn_worker: Callable[..., WorkerProcess], prefix: str,
 ) -> None:
-    with redis_server() as server:
+    with redis_server(*SERVER_ARGS) as server:
         app = make_app(broker_url=server.url, result_backend=server.url)
         client = server.client()
         keys = Keys(f"{prefix}te:")
@@ -158,6 +167,22 @@ def test_bytes_per_call_by_effect_per_event_and_per_dead_letter(
         for effect in TOOLS:
             assert figures[effect]["package_bytes_per_call"] > 0
         assert figures["dead_letter"]["bytes_per_letter"] > 0
+
+
+def test_a_run_stream_costs_its_preallocated_node_not_its_entries() -> None:
+    # Why a call without a run_id costs kilobytes: Redis 7 allocates a stream's
+    # first node (a listpack) at stream-node-max-bytes (4096 by default) up
+    # front, whatever it holds; a list holding the same event grows with it.
+    with redis_server() as server:
+        client = server.client()
+        client.xadd("stream", dict(zip(EVENT[::2], EVENT[1::2], strict=True)))
+        client.rpush("list", "|".join(EVENT))
+        stream, listed = memory(client, ["stream", "list"]).values()
+        assert stream > 4096 > 4 * listed, (stream, listed)
+        # The same node at a smaller stream-node-max-bytes: the operator's lever.
+        client.config_set("stream-node-max-bytes", 512)
+        client.xadd("small", dict(zip(EVENT[::2], EVENT[1::2], strict=True)))
+        assert memory(client, ["small"])["small"] < 1300 < stream
 
 
 def test_the_store_command_and_the_gauges_report_the_sizing(
