@@ -196,3 +196,59 @@ def test_with_the_store_on_another_redis_the_main_process_acknowledges(
         # the broker's Redis, not the store's) and kombu's acknowledgement.
         assert call_commands(setup, tmp_path, "tools.write", store=store.url) == [
             "fetch", *CELERY_RESULT, *ACK]
+
+
+#: The commands that end a call on a threads pool: the script that records the
+#: outcome and acknowledges the message (folded), or kombu's own ZREM.
+ENDINGS = {"tools.read": "append_event", "tools.write": "transition", "tools.plain": "ZREM"}
+
+
+@pytest.mark.parametrize("name", sorted(ENDINGS))
+def test_on_the_threads_pool_the_next_fetch_follows_an_acknowledgement(
+    setup: Setup, tmp_path: Path, name: str,
+) -> None:
+    """A threads pool's thread acknowledges a tool's message in the outcome's
+    script; kombu's bookkeeping of it runs in the event loop, which it wakes to
+    fetch at once. Without the wake-up the loop sleeps until its next timer,
+    kombu's restore sweep (every second in tests/apps/tool_app.py), and fetches
+    after it: the sweep is the clock this test counts by, never time."""
+    env = {"TE_PREFIX": setup.prefix, "TE_BROKER": setup.server.url,
+           "TE_COUNTERS": setup.server.url}
+    concurrency, calls = 2, 30
+    worker = start_celery_worker("tests.apps.tool_app", tmp_path / "worker.log", env=env,
+                                 root=ROOT, pool="threads", concurrency=concurrency)
+    try:
+        call(setup, name)  # warm-up: connections, scripts loaded, queue declared
+        with Monitor(setup.server.client()) as monitor:
+            monitor.ignored.add(setup.poller.client_info()["addr"])
+            keys = [uuid.uuid4().hex[:8] for _ in range(calls)]
+            ids = [setup.app.send_task(name, args=[key, 0.0], queue="tools").id
+                   for key in keys]
+            metas = [f"{setup.prefix}celery-task-meta-{task_id}" for task_id in ids]
+
+            def succeeded() -> bool:
+                return all(b'"SUCCESS"' in (setup.poller.get(meta) or b"") for meta in metas)
+
+            wait_for(succeeded, timeout=60, what=f"the {calls} calls of {name} to succeed")
+        sent = monitor.sent()
+    finally:
+        worker.stop()
+    # Each body ran once.
+    assert [setup.poller.get(f"{setup.prefix}count:{key}") for key in keys] == [b"1"] * calls
+    # For each fetch after an acknowledgement: did a restore sweep come between?
+    waited, swept, sweep_between = 0, 0, False
+    after_ending = False
+    for words in sent:
+        if named(words) == ENDINGS[name]:
+            after_ending = True
+        elif words[0].upper() == "SET" and words[1].endswith("unacked_mutex"):
+            sweep_between = sweep_between or after_ending
+        elif fetches(words) and after_ending:
+            waited += 1
+            swept += sweep_between
+            after_ending = sweep_between = False
+    # About one fetch a batch of `concurrency` calls (more when calls end apart).
+    assert waited >= calls // concurrency - 1, sent
+    # A sweep may happen to fall between an acknowledgement and its fetch; a
+    # loop that is not woken waits for one before every fetch.
+    assert swept <= 2, (waited, swept)

@@ -73,7 +73,7 @@ from .handoff import (
     take_letter,
 )
 from .letters import begin_dead_letter, build_letter, dead_lettered, finish_dead_letter
-from .strategy import check_request, mark_built
+from .strategy import check_request, in_the_loop, mark_built
 
 logger = logging.getLogger(__name__)
 
@@ -518,11 +518,17 @@ class ToolRequest(Request):  # type: ignore[misc]
 
         On Redis the delivery tag is shared with the new holder of the
         message; an acknowledgement would delete the new holder's copy.
+
+        kombu's bookkeeping is changed on the thread that owns the channel,
+        as Celery's own acknowledgement is (:func:`in_the_loop`): this runs on
+        a threads pool's thread when the call ends, and from there the event
+        loop is woken to fetch the next message at once (it would otherwise
+        sleep out its poll with the prefetch room unseen).
         """
         message = self._message
         qos = getattr(getattr(message, "channel", None), "qos", None)
         if self.runtime.settings.broker_is_redis and isinstance(qos, VirtualQoS):
-            VirtualQoS.ack(qos, message.delivery_tag)  # type: ignore[no-untyped-call]
             self.acknowledged = True
+            in_the_loop(message)(VirtualQoS.ack, qos, message.delivery_tag)
         else:
             self.acknowledge()

@@ -21,8 +21,12 @@ error; one that only weakens it is warned about loudly:
 - a tool's ``default_retry_delay`` (the wait of a ``self.retry()`` without a
   countdown: the tool's own choice) not below the visibility timeout is
   warned about;
-- a prefetch multiplier above 1 is reported (1 is recommended for tool queues:
-  prefetched messages wait with their visibility timeout already running);
+- the prefetch multiplier is checked per pool (:func:`prefetch_advice`): 1 on
+  prefork, threads and solo, whose event loop fetches the moment a call ends
+  (prefetched messages would only wait with their visibility timeout
+  running); more than 1 on gevent and eventlet, whose consumer fetches only
+  when its poll wakes, so that 1 caps them near their concurrency in calls a
+  second;
 - a store (or a broker holding dead letters) that can lose acknowledged writes
   when its process restarts (no AOF) is refused unless replicas are waited
   for (``tooleffect_allow_volatile_store`` makes it a warning), and AOF that a
@@ -88,6 +92,49 @@ def largest_deadline(app: Any) -> tuple[float, str]:
     return largest, owner
 
 
+#: The multiplier recommended for gevent and eventlet (Celery's default): a
+#: prefetched message waits about (multiplier - 1) calls' time there.
+GREEN_PREFETCH = 4
+
+
+def prefetch_advice(multiplier: int, pool: Any) -> str | None:
+    """What to say of ``worker_prefetch_multiplier`` on ``pool`` (a Celery pool
+    class; None: prefork), or None when it is the one recommended.
+
+    A prefetched message is delivered and unacknowledged while it waits in the
+    worker, its visibility timeout running (past it kombu gives it to another
+    worker, whose copy the journal defers or refuses); the atomic fetch and the
+    leases protect a call once it runs, not while it waits. On prefork,
+    threads and solo the event loop fetches as soon as a call ends (it is woken
+    when a pool thread acknowledges), so 1 costs nothing and nothing waits. On
+    gevent and eventlet (``is_green``) the consumer fetches only when its poll
+    wakes, about once a second after every greenlet is busy: 1 caps the pool
+    near its concurrency in calls a second. There a message waits about
+    (multiplier - 1) calls' time, whatever the concurrency, so
+    :data:`GREEN_PREFETCH` is recommended while the longest call times 3 stays
+    well under the visibility timeout.
+    """
+    if getattr(pool, "is_green", False):
+        if multiplier > 1:
+            return None
+        return (f"{multiplier} on a green pool ({_pool_name(pool)}); {GREEN_PREFETCH} is "
+                f"recommended there: its consumer fetches only when its poll wakes, so "
+                f"{multiplier} caps it near its concurrency in calls a second")
+    if multiplier == 1:
+        return None
+    return (f"{multiplier} on the {_pool_name(pool)} pool; 1 is recommended there (prefetched "
+            "messages wait with their visibility timeout running, and the worker fetches "
+            "as soon as a call ends)")
+
+
+def _pool_name(pool: Any) -> str:
+    if pool is None:
+        return "prefork"
+    module = str(getattr(pool, "__module__", "") or "").rsplit(".", 1)[-1]
+    # Celery's module of the threads pool is celery.concurrency.thread.
+    return {"thread": "threads"}.get(module, module) or str(pool)
+
+
 def configuration_errors(app: Any, settings: Settings) -> list[str]:
     """What in the configuration would break a guarantee (empty when nothing)."""
     errors: list[str] = []
@@ -127,8 +174,9 @@ def autoretry_errors(app: Any, settings: Settings) -> list[str]:
     return errors
 
 
-def run_checks(app: Any) -> None:
-    """Raise ConfigurationError, or log warnings, for this app's configuration."""
+def run_checks(app: Any, pool: Any = None) -> None:
+    """Raise ConfigurationError, or log warnings, for this app's configuration
+    on a worker of ``pool`` (its pool class; None: prefork)."""
     settings = settings_for(app)
     errors = configuration_errors(app, settings)
     if errors:
@@ -162,14 +210,10 @@ def run_checks(app: Any) -> None:
             "see docs/operations.md#heartbeats-on-rabbitmq",
             3 * interval,
         )
-    prefetch = app.conf.worker_prefetch_multiplier
-    if prefetch != 1:
-        logger.warning(
-            "celery-tooleffect: worker_prefetch_multiplier is %s; 1 is recommended for tool "
-            "queues (prefetched messages wait with their visibility timeout running); see "
-            "docs/operations.md#prefetch",
-            prefetch,
-        )
+    advice = prefetch_advice(int(app.conf.worker_prefetch_multiplier), pool)
+    if advice:
+        logger.warning("celery-tooleffect: worker_prefetch_multiplier is %s; see "
+                       "docs/operations.md#prefetch", advice)
     if settings.broker_is_redis:
         for name, task in sorted(app.tasks.items()):
             delay = getattr(task, "default_retry_delay", None)
@@ -190,7 +234,7 @@ class StartupChecks(bootsteps.Step):  # type: ignore[misc]
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        run_checks(worker.app)
+        run_checks(worker.app, getattr(worker, "pool_cls", None))
 
 
 def declared_effects(app: Any) -> dict[str, str]:

@@ -19,11 +19,16 @@ rejected without a dead letter; a malformed ``callbacks`` or ``chain`` fails
 either check raises ``InvalidTaskError``, which Celery's consumer hands to
 ``on_invalid_task``, where the package's consumer step dead-letters it
 (``malformed_message``, class ``client_error``) before it is dropped.
+
+The strategy also hands the request the consumer's way to run a callback on
+the thread that owns the connection (:func:`in_the_loop`): the pool process
+acknowledges a tool's message with its outcome, and only kombu's bookkeeping
+in the worker is left, which must not run on a threads pool's thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery.exceptions import InvalidTaskError
@@ -46,6 +51,27 @@ def mark_built(message: Any) -> None:
     setattr(message, BUILT_MARK, True)
 
 
+#: The attribute :func:`tool_strategy` sets on each kombu message: the
+#: consumer's ``call_soon_ack``.
+IN_THE_LOOP = "_tooleffect_in_the_loop"
+
+
+def in_the_loop(message: Any) -> Callable[..., Any]:
+    """How to run ``callback(*args)`` for ``message`` on the thread that owns its
+    channel, as Celery runs an acknowledgement: the consumer's ``call_soon_ack``,
+    which on an event loop (prefork, threads, solo) queues it there and wakes
+    the loop when called from another thread (the loop then fetches at once if
+    the acknowledgement freed prefetch room), and without one (gevent, eventlet)
+    runs it at once. A message no strategy saw (a request built by hand) gets
+    a direct call."""
+    schedule: Callable[..., Any] | None = getattr(message, IN_THE_LOOP, None)
+    return schedule if schedule is not None else _call
+
+
+def _call(callback: Callable[..., Any], *args: Any) -> Any:
+    return callback(*args)
+
+
 def tool_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     """Celery's default strategy, whose shape errors become ``InvalidTaskError``.
 
@@ -54,9 +80,12 @@ def tool_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     request marks its message once built (:func:`mark_built`).
     """
     handler = default(task, app, consumer, **kwargs)
+    schedule = getattr(consumer, "call_soon_ack", None)
 
     def tool_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                              **options: Any) -> Any:
+        if schedule is not None:
+            setattr(message, IN_THE_LOOP, schedule)
         try:
             return handler(message, body, ack, reject, callbacks, **options)
         except (InvalidTaskError, ContentDisallowed, DecodeError):
