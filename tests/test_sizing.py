@@ -201,6 +201,12 @@ def test_the_store_command_and_the_gauges_report_the_sizing(
             app.send_task("tools.missing", args=[f"letter-{i}"], queue="tools")
         wait_for(lambda: DeadLetters(app).stats().total == 3, timeout=30,
                  what="the dead letters")
+        # A letter is stored before its refusal's audit event is appended:
+        # wait for every run's stream and chain too.
+        wait_for(lambda: all(sum(1 for _ in client.scan_iter(
+            match=f"{prefix}te:{{*}}:{suffix}", count=1000)) == 63
+            for suffix in ("events", "seq")),
+            timeout=30, what="every call's and letter's run stream and chain")
 
         shown = invoke(app, "store", "--sizing", "--json")
         assert shown.exit_code == 0, shown.output
