@@ -66,7 +66,7 @@ class StoreGauges:
       one ``INFO`` per server, ``store`` being ``journal`` (the journal and
       audit store) or ``dead_letters`` (only with ``dead_letters``); a server
       playing both roles gives both samples (see
-      :mod:`celery_tooleffect.worker.eviction`);
+      :mod:`celery_tooleffect.store.servers`);
     - ``tooleffect_store_durability{store,mode}``: 1 for the persistence mode
       each role's server runs (``mode`` as in
       :class:`~celery_tooleffect.store.persistence.PersistenceMode`; a server
