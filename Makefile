@@ -29,15 +29,18 @@ demo: $(INSTALLED)
 # A single test runs without them: .venv/bin/python -m pytest tests/test_x.py::test_y
 PARALLEL ?= -n 4 --dist loadgroup
 
-# The test command: every test (about 11.5 minutes with PARALLEL on 2 cores),
-# then the tests that run alone. Needs a Redis at 127.0.0.1:6379
-# (TOOLEFFECT_TEST_REDIS_URL names another), redis-server on PATH, a RabbitMQ
-# at 127.0.0.1:5672 with rabbitmqctl (the RabbitMQ tests are skipped, saying
-# why, without them), root and iproute2 (the partition test) and Chromium with
-# chromedriver (the Flower page tests). README.md, "On a fresh machine".
+# The test command: the services first, then every test (about 11.5 minutes
+# with PARALLEL on 2 cores), then the tests that run alone. The suite needs a
+# Redis at 127.0.0.1:6379 (TOOLEFFECT_TEST_REDIS_URL names another),
+# redis-server on PATH, a RabbitMQ at 127.0.0.1:5672 with rabbitmqctl, root
+# and iproute2 (the partition test) and Chromium with chromedriver (the Flower
+# page test): scripts/services.sh brings up what is missing (as root, with
+# apt-get) and names what it cannot; the tests that need it are then skipped,
+# and -rs lists each skip with its reason. README.md, "On a fresh machine".
 test: $(INSTALLED)
-	$(BIN)/python -m pytest -q $(PARALLEL) -m "not alone"
-	$(BIN)/python -m pytest -q -m alone
+	bash scripts/services.sh
+	$(BIN)/python -m pytest -q -rs $(PARALLEL) -m "not alone"
+	$(BIN)/python -m pytest -q -rs -m alone
 
 # The service-free layer (tests/unit/): the decision logic in-process, with
 # no Redis, RabbitMQ or process of its own, in seconds (a test there that
@@ -58,7 +61,7 @@ lint: $(INSTALLED)
 	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir /tmp/celery-tooleffect-site
 
-# The benchmarks beside plain Celery (about 10 minutes; see bench/README.md).
+# The benchmarks beside plain Celery, with the pools matrix (see bench/README.md).
 bench: $(INSTALLED)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench

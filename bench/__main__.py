@@ -41,6 +41,10 @@ from .calls import (
     round_trip_counts,
     throughput_rounds,
 )
+from .pools import add_options as add_matrix_options
+from .pools import as_json as matrix_json
+from .pools import describe as describe_matrix
+from .pools import matrix_table, run_matrix
 from .report import (
     calls_table,
     commands_detail,
@@ -65,15 +69,20 @@ SMOKE = {
     "latency_calls": 20,
     "rt_small": 40, "rt_large": 200, "letters": 2000, "replay": 200, "small_letters": 100,
     "global_events": 5000, "run_events": 100,
+    # One cell of the pools matrix, two short rounds' worth.
+    "pools": "threads", "bodies": "waiting", "deployments": "split", "matrix_rounds": 1,
+    "matrix_seconds": 0.3, "matrix_waves": 2,
 }
+PHASES = ("calls", "round-trips", "dead-letters", "audit", "pools")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--smoke", action="store_true", help="A few hundred calls: checks the program works.")
-    add("--phases", default="calls,round-trips,dead-letters,audit",
-        help="Comma-separated phases to run (default: all).")
+    add("--phases", default=",".join(PHASES),
+        help="Comma-separated phases to run (default: all). pools: the matrix of Celery's "
+             "pools x bodies x deployments (bench/pools.py; its options below).")
     add("--rounds", type=int, default=5, help="Throughput rounds per variant.")
     add("--calls", type=int, default=5000, help="Calls per throughput round.")
     add("--warmup", type=int, default=1000, help="Calls of the discarded warm-up round.")
@@ -106,6 +115,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="PostgreSQL database (created and dropped) of the DBOS Transact peer row.")
     add("--no-dbos", dest="dbos", action="store_false",
         help="Leave out the DBOS Transact peer row.")
+    add_matrix_options(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         for name, value in SMOKE.items():
@@ -248,7 +258,7 @@ def store_phases(args: argparse.Namespace, server: RedisServer,
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     phases = {phase.strip() for phase in args.phases.split(",") if phase.strip()}
-    unknown = phases - {"calls", "round-trips", "dead-letters", "audit"}
+    unknown = phases - set(PHASES)
     if unknown:
         raise SystemExit(f"unknown phase(s): {', '.join(sorted(unknown))}")
     logdir = Path(tempfile.mkdtemp(prefix="tooleffect-bench-"))
@@ -308,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(f"Operator commands ({args.letters:,} dead letters; audit: "
                         f"{args.global_events:,} events in the global stream)\n\n"
                         + operations_table(timed))
+    if "pools" in phases:
+        matrix_started = time.monotonic()
+        cells = run_matrix(args, logdir, say)
+        results["pools"] = matrix_json(cells)
+        sections.append(f"Pools matrix ({describe_matrix()} Took "
+                        f"{time.monotonic() - matrix_started:.0f} s.)\n\n" + matrix_table(cells))
     sections.append(f"Took {time.monotonic() - started:.0f} s.")
     print("\n\n".join(sections))
     if args.json:

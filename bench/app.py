@@ -23,7 +23,11 @@ round-trip phase points each at its own counting proxy), and
 ``BENCH_GLOBAL_MAXLEN`` (the audit phase fills the global stream past the
 default cap of 100,000), ``BENCH_STORE_REPLICAS``
 (``tooleffect_store_replicas``: each journal write waits for that many
-replicas, ``--store-replicas``) and ``BENCH_FETCH`` (see above).
+replicas, ``--store-replicas``), ``BENCH_FETCH`` (see above),
+``BENCH_STORE_CLUSTER`` (``1``: the store is a Redis Cluster),
+``BENCH_QUORUM_QUEUE`` (a RabbitMQ quorum queue to declare: ``bench.cluster``)
+and ``BENCH_POOL_LIMIT`` (``broker_pool_limit`` and the Redis transport's
+``max_connections``: the pools matrix raises them for gevent).
 """
 
 from __future__ import annotations
@@ -63,20 +67,41 @@ def config(
     store_replicas: int = 0,
     fetch: str = ATOMIC,
     volatile: bool = False,
+    store_cluster: bool = False,
+    quorum_queue: str = "",
+    pool_limit: int | None = None,
 ) -> dict[str, Any]:
     """The settings of every app of one benchmark run (workers, producers, CLI).
 
     Every key lives under ``prefix``; the visibility timeout is kombu's default.
     ``fetch`` is the worker's fetch from the broker (:data:`ATOMIC` or :data:`KOMBU`);
     ``volatile``: the run's Redis keeps nothing on disk (``--no-appendonly``),
-    which the workers accept (``tooleffect_allow_volatile_store``).
+    which the workers accept (``tooleffect_allow_volatile_store``);
+    ``store_cluster``: ``store`` is a node of a Redis Cluster
+    (``tooleffect_redis_cluster``); ``quorum_queue``: a queue declared as a
+    RabbitMQ quorum queue (``x-queue-type: quorum``), by workers and producers alike;
+    ``pool_limit``: Celery's ``broker_pool_limit`` and kombu's Redis
+    ``max_connections`` (None: 10 each; plain Celery on a gevent pool of 50
+    fails its acknowledgements with ``MaxConnectionsError`` below its
+    concurrency).
     """
     if fetch not in (ATOMIC, KOMBU):
         raise ValueError(f"unknown fetch {fetch!r} (BENCH_FETCH): {ATOMIC} or {KOMBU}")
+    queues: dict[str, Any] = {}
+    if quorum_queue:
+        from kombu.entity import Exchange, Queue
+
+        queues["task_queues"] = [
+            Queue(IDLE_QUEUE),  # type: ignore[no-untyped-call]
+            Queue(quorum_queue, Exchange(quorum_queue, type="direct"),  # type: ignore[no-untyped-call]
+                  routing_key=quorum_queue, queue_arguments={"x-queue-type": "quorum"}),
+        ]
     return {
+        **queues,
         "broker_url": broker,
         "result_backend": backend or broker,
-        "broker_transport_options": {"global_keyprefix": prefix, "visibility_timeout": 3600},
+        "broker_transport_options": {"global_keyprefix": prefix, "visibility_timeout": 3600,
+                                     **({"max_connections": pool_limit} if pool_limit else {})},
         "result_backend_transport_options": {"global_keyprefix": prefix},
         "broker_connection_retry_on_startup": True,
         "task_default_queue": IDLE_QUEUE,
@@ -88,6 +113,8 @@ def config(
         "tooleffect_store_replicas": store_replicas,
         "tooleffect_atomic_fetch": fetch == ATOMIC,
         "tooleffect_allow_volatile_store": volatile,
+        "tooleffect_redis_cluster": store_cluster,
+        **({"broker_pool_limit": pool_limit} if pool_limit else {}),
     }
 
 
@@ -103,6 +130,9 @@ app.conf.update(
         store_replicas=int(os.environ.get("BENCH_STORE_REPLICAS", "0")),
         fetch=os.environ.get("BENCH_FETCH", ATOMIC),
         volatile=os.environ.get("BENCH_VOLATILE") == "1",
+        store_cluster=os.environ.get("BENCH_STORE_CLUSTER") == "1",
+        quorum_queue=os.environ.get("BENCH_QUORUM_QUEUE", ""),
+        pool_limit=int(os.environ.get("BENCH_POOL_LIMIT") or 0) or None,
     )
 )
 
@@ -164,3 +194,30 @@ VARIANTS = {
 #: The fetch of the workers that run each variant: the baseline kombu's, every
 #: other one the package's atomic fetch.
 FETCH = {variant: KOMBU if variant == BASELINE else ATOMIC for variant in VARIANTS}
+
+
+# -- cProfile of the worker's processes (``python -m bench.profile --cprofile``) --
+
+if os.environ.get("BENCH_CPROFILE"):
+    import cProfile
+
+    from celery import signals
+
+    _profiles: dict[str, cProfile.Profile] = {}
+
+    def _start(kind: str) -> None:
+        profile = cProfile.Profile()
+        _profiles[kind] = profile
+        profile.enable()
+
+    def _dump(kind: str) -> None:
+        profile = _profiles.pop(kind, None)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(os.path.join(os.environ["BENCH_CPROFILE"],
+                                            f"{kind}-{os.getpid()}.prof"))
+
+    signals.worker_init.connect(lambda **_: _start("main"), weak=False)
+    signals.worker_shutdown.connect(lambda **_: _dump("main"), weak=False)
+    signals.worker_process_init.connect(lambda **_: _start("pool"), weak=False)
+    signals.worker_process_shutdown.connect(lambda **_: _dump("pool"), weak=False)

@@ -87,7 +87,7 @@ def wait_ready(app: Any, started: list[WorkerProcess], timeout: float = 60.0) ->
 
 
 #: What a worker's start-up banner adds to its transport line when it fetches
-#: with the package's atomic fetch (``celery_tooleffect.store.transport``).
+#: with the package's atomic fetch (``celery_tooleffect.worker.transport``).
 ATOMIC_BANNER = "(atomic fetch)"
 
 

@@ -33,7 +33,7 @@ from celery import Celery
 from celery_tooleffect import AuditLog, DeadLetters
 from celery_tooleffect.effect import ToolEffect
 from celery_tooleffect.store.audit import StepContext, flatten, worker_identity
-from celery_tooleffect.store.dead_letters import DeadLetter
+from celery_tooleffect.store.dead_letter_record import DeadLetter
 from celery_tooleffect.store.envelope import MessageEnvelope
 from celery_tooleffect.store.lua import script
 

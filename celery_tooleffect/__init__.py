@@ -44,10 +44,11 @@ from .failures import FailureClass, FailureClassifier
 from .identity import call_task_id
 from .reconciliation import ReconcileStatus, Reconciliation
 from .signals import approval_requested
-from .states import ApprovalState, CallStatus, DeadLetterReason, JournalState
+from .states import ApprovalState, Approver, CallStatus, DeadLetterReason, JournalState
 from .store.approvals import Approval
 from .store.audit import AuditLog
-from .store.dead_letters import DeadLetter, DeadLetters
+from .store.dead_letter_record import DeadLetter
+from .store.dead_letters import DeadLetters
 from .store.journal import Journal
 from .task import ToolTask
 
@@ -57,6 +58,7 @@ __all__ = [
     "ApprovalRequired",
     "ApprovalState",
     "Approvals",
+    "Approver",
     "AttemptInProgress",
     "AuditEvent",
     "AuditLog",

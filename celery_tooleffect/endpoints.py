@@ -114,6 +114,14 @@ class RedisEndpoint:
         return ("sentinel", frozenset(self.sentinels), self.master_name, self.db,
                 options.get("username") or "default", options.get("password") or "")
 
+    def reach(self) -> tuple[Any, ...]:
+        """:meth:`identity` without the database: which server (or
+        Sentinel-named master) this reaches, and as which user. Two endpoints
+        with the same reach, outside a cluster, may share a script that
+        ``SELECT`` the other's database."""
+        identity = self.identity()
+        return identity[:3] + identity[4:] if self.sentinels else identity[:2] + identity[3:]
+
     def server(self) -> tuple[Any, ...]:
         """Which server process (or Sentinel-named master) this reaches, whatever
         the database or user: two endpoints with the same server are rolled back

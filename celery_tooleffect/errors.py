@@ -40,9 +40,7 @@ wrong and what it means::
 
 Every exception class the package defines is here. A result backend stores an
 exception with ``exc_module`` set to the module of its class, so a class never
-leaves this module once released; the few that lived elsewhere before
-(``failures``, ``admin.operations.replay``, ``testing``) are still importable
-from there, so that results stored then still load.
+leaves this module once released.
 """
 
 from __future__ import annotations

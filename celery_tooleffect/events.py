@@ -3,7 +3,7 @@
 Every event the package stores (by a worker, in the same atomic step as a
 journal transition, or by an operator's action) is an :class:`AuditEvent`,
 built by :meth:`AuditEvent.of` or, for an attempt, by ``StepContext.event``.
-In a run's Redis stream it is a flat hash of text fields, in this order, the
+Stored, it is a flat list of text fields, in this order, the
 empty ones left out:
 
 ==================  ==========================================================
@@ -29,16 +29,21 @@ details             phase-specific fields, e.g. the payload as the privacy
                     ``dead_letter_reason``
 ==================  ==========================================================
 
-The store adds ``seq``, ``prev`` and ``hash`` (the run's hash chain) when it
-appends the event. An event reads as the mapping of its stream fields
-(``event["status"]``, ``dict(event)``, ``event.get("task_id")``).
+A run's events are kept in a Redis list, compactly (``store/chain.py``): the
+writer's keyed ``mac`` (with ``tooleffect_audit_key``) is sent with the
+fields, and the store numbers the event (``seq``) and chains it. An event
+reads as the mapping of its fields (``event["status"]``, ``dict(event)``,
+``event.get("task_id")``).
 
-Readers of a stream (``AuditLog.events``, ``AuditLog.tail``) get events back
-through :meth:`AuditEvent.from_stream`: typed attributes (``ts`` a float,
-``attempt`` an int, ``duration_ms`` a float, ``redelivered`` a bool, the chain's
-``seq``, ``prev`` and ``hash``, and the stream ``entry_id``), while the mapping
-stays exactly the text the stream holds, ``{"id": <entry id>, **stored
-fields}`` in stored order: what ``audit show --json`` prints.
+Readers (``AuditLog.events``, ``AuditLog.tail``) get events back through
+:meth:`AuditEvent.from_stream`: typed attributes (``ts`` a float, ``attempt``
+an int, ``duration_ms`` a float, ``redelivered`` a bool, the chain's ``seq``,
+``prev``, ``hash`` and ``mac``, and ``entry_id``), while the mapping stays
+exactly the text read, ``{"id": <id>, **fields}`` in stored order: what
+``audit show --json`` prints. A run's event reads as ``{"id": <seq>, "seq":
+<seq>, **its fields, "prev": <link before>, "hash": <link after>}``, the
+links computed from what is stored; a copy in the global stream as ``{"id":
+<stream entry id>, **the fields copied}``.
 """
 
 from __future__ import annotations
@@ -66,8 +71,9 @@ EVENT_FIELDS = (
     "failure_class",
     "exception_type",
 )
-#: Fields the store adds when it appends an event.
-CHAIN_FIELDS = ("seq", "prev", "hash")
+#: The chain's fields of an event read back from its run: its number, the
+#: links before and after it, and its writer's keyed MAC.
+CHAIN_FIELDS = ("seq", "prev", "hash", "mac")
 
 
 @dataclass(frozen=True)
@@ -91,13 +97,16 @@ class AuditEvent(Mapping[str, str]):
     #: Phase-specific fields, stored after the common ones.
     details: Mapping[str, str] = field(default_factory=dict)
     #: The run's hash chain, as the store appended it (None on an event not
-    #: read back from a run's stream: one being built, or a global-stream copy):
+    #: read back from its run: one being built, or a global-stream copy):
     #: the event's number in its run (1 = first), the hash of the event before
     #: it ('' for the first) and its own hash.
     seq: int | None = field(default=None, kw_only=True)
     prev: str | None = field(default=None, kw_only=True)
     hash: str | None = field(default=None, kw_only=True)
-    #: The id of its stream entry (``<ms>-<n>``) once read back, else None.
+    #: Its writer's MAC under ``tooleffect_audit_key`` (None: not keyed).
+    mac: str | None = field(default=None, kw_only=True)
+    #: Its id once read back: its ``seq`` as text in its run, or the global
+    #: stream's entry id (``<ms>-<n>``) for a copy there; else None.
     entry_id: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -108,8 +117,8 @@ class AuditEvent(Mapping[str, str]):
 
     @classmethod
     def from_stream(cls, entry_id: str, fields: Mapping[str, str]) -> AuditEvent:
-        """The event stored as stream entry ``entry_id`` with ``fields`` (decoded to
-        text, in stored order).
+        """The event read back as ``entry_id`` (its seq in its run, or a global
+        stream's entry id) with ``fields`` (decoded to text, in stored order).
 
         The typed attributes are parsed from the text: ``ts`` and
         ``duration_ms`` floats, ``attempt`` and ``seq`` ints, ``redelivered``
@@ -143,6 +152,7 @@ class AuditEvent(Mapping[str, str]):
             seq=_parsed_int(get("seq")),
             prev=get("prev"),
             hash=get("hash"),
+            mac=get("mac"),
             entry_id=entry_id,
         )
         # The mapping is what the stream holds, not the fields rebuilt from
@@ -234,6 +244,8 @@ class AuditEvent(Mapping[str, str]):
             fields = {**chain, **fields}
             if self.prev is not None:
                 fields["prev"] = self.prev
+            if self.mac is not None:
+                fields["mac"] = self.mac
             if self.hash is not None:
                 fields["hash"] = self.hash
         return fields

@@ -21,11 +21,7 @@ from celery.exceptions import Reject
 from kombu.utils.imports import symbol_by_name
 
 from .choices import Choice
-
-# CircuitOpenError and NoSideEffect were defined here: still importable from
-# here, so that a result stored with this module as its exc_module loads.
-from .errors import CircuitOpenError as CircuitOpenError
-from .errors import NoSideEffect as NoSideEffect
+from .errors import NoSideEffect
 
 
 class FailureClass(Choice):

@@ -8,6 +8,9 @@ Pure functions, the same in a producer, a worker and a tool's body:
   (:func:`publish_digest` gets there by a round trip through it);
 - :func:`call_task_id` turns an agent's own tool-call id (and its run) into a
   task id, so that a call re-sent after any crash is the same call;
+- :data:`RUN_ID_HEADER` and :data:`CALL_ID_HEADER` name the message headers
+  that carry a call's run and its agent's call id, :data:`CALLER_HEADER`
+  who made it;
 - :func:`child_task_id` gives a tool called inside another tool's body an id
   derived from its parent, so that a parent that runs again never runs a
   finished child again.
@@ -36,6 +39,23 @@ MAX_ID_LENGTH = 200
 
 #: The namespace of the ids derived here (UUID version 5: a name-based id).
 NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://celery-tooleffect.dev/call-identity")
+
+#: The message header of the run a call belongs to, set by a producer
+#: (``run_id=``) or carried from a parent call; without it a call's run is its
+#: root id.
+RUN_ID_HEADER = "tooleffect_run_id"
+#: The agent's own id of a tool call published with ``call_id=``
+#: (informational: the task id derived from it is the call's identity).
+CALL_ID_HEADER = "tooleffect_call_id"
+#: Who made the call, as the agent runtime that published it authenticated
+#: them (the MCP server: compact JSON naming how, and the token's issuer,
+#: subject and client id). Recorded in every audit event of the call
+#: (``details.caller``). Informational: whoever may publish to the broker
+#: may set it, as any header, and nothing is decided by it (docs/agents.md,
+#: "Who called").
+CALLER_HEADER = "tooleffect_caller"
+#: The longest caller header recorded; a longer one is cut.
+MAX_CALLER_LENGTH = 1024
 
 
 def checked_id(value: Any, what: str) -> str:

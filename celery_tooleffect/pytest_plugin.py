@@ -42,7 +42,8 @@ import pytest
 from .states import ApprovalState
 from .store.approvals import Approval
 from .store.audit import AuditLog
-from .store.dead_letters import DeadLetter, DeadLetters
+from .store.dead_letter_record import DeadLetter
+from .store.dead_letters import DeadLetters
 from .store.journal import Journal, JournalRef
 from .store.runtime import runtime_for
 from .testing import (

@@ -15,6 +15,8 @@ import sys
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+from os import PathLike
 from typing import TYPE_CHECKING, Any
 
 from .endpoints import RedisEndpoint, is_redis_family, resolve
@@ -58,7 +60,7 @@ DEFAULTS: dict[str, Any] = {
     # None: the version of the app's distribution, if found (default_release).
     "tooleffect_release": None,
     # On a Redis broker, take a message and record it unacknowledged in one
-    # script (celery_tooleffect.store.transport); False keeps kombu's fetch.
+    # script (celery_tooleffect.worker.transport); False keeps kombu's fetch.
     "tooleffect_atomic_fetch": True,
     # Agents (celery_tooleffect.agents): how long a call is waited for before
     # the agent is told it awaits approval / is still running, the largest
@@ -68,9 +70,26 @@ DEFAULTS: dict[str, Any] = {
     "tooleffect_agent_result_wait": 300.0,
     "tooleffect_agent_max_argument_bytes": 256 * 1024,
     "tooleffect_agent_max_result_bytes": 32 * 1024,
+    # The MCP server answers a call that has not ended within this many seconds
+    # with its status: below the 60 s default request timeout of the MCP
+    # TypeScript SDK's client, so that such a client is told, not timed out.
+    "tooleffect_mcp_result_wait": 50.0,
     "tooleffect_mcp_token": None,
     "tooleffect_mcp_allowed_hosts": (),
     "tooleffect_mcp_allowed_origins": (),
+    # The MCP server as an OAuth 2.1 resource server (agents/oauth.py): the
+    # issuer whose access tokens it accepts, their audience, and how it checks
+    # them (the issuer's keys, or its introspection endpoint and the server's
+    # client credentials there); its own URL for RFC 9728 metadata; and
+    # whether a call also needs the scope tool:<name>.
+    "tooleffect_mcp_oauth_issuer": None,
+    "tooleffect_mcp_oauth_audience": None,
+    "tooleffect_mcp_oauth_jwks_url": None,
+    "tooleffect_mcp_oauth_introspection_url": None,
+    "tooleffect_mcp_oauth_client_id": None,
+    "tooleffect_mcp_oauth_client_secret": None,
+    "tooleffect_mcp_oauth_resource_url": None,
+    "tooleffect_mcp_oauth_tool_scopes": False,
     # Flower's /metrics, with the package's gauges in it, asks for Flower's
     # authentication (--basic-auth, --auth) when Flower has one.
     "tooleffect_flower_metrics_auth": True,
@@ -79,7 +98,13 @@ DEFAULTS: dict[str, Any] = {
     # many seconds (docs/operations.md#dead-letters-waiting).
     "tooleffect_dead_letter_warn_count": 100,
     "tooleffect_dead_letter_warn_age": 24 * 3600.0,
+    # The secret every audit event's MAC is computed with (docs/operations.md#
+    # audit-verify): the key itself, or a file holding it; never both.
+    "tooleffect_audit_key": None,
+    "tooleffect_audit_key_file": None,
 }
+#: The shortest audit key accepted, in bytes.
+AUDIT_KEY_MINIMUM = 16
 
 
 @dataclass(frozen=True)
@@ -148,6 +173,10 @@ class Settings:
     #: The largest result text (UTF-8 bytes) an agent's model receives; a
     #: longer one is cut with a note (``tooleffect_agent_max_result_bytes``).
     agent_max_result_bytes: int = 32 * 1024
+    #: Seconds the MCP server waits for a call before it answers that the call
+    #: is still queued or running (``tooleffect_mcp_result_wait``): below the
+    #: 60 s default request timeout of the MCP TypeScript SDK's client.
+    mcp_result_wait: float = 50.0
     #: The bearer token the MCP server asks of HTTP clients (None: none set).
     mcp_token: str | None = field(default=None, repr=False)
     #: The ``Host`` and ``Origin`` values the MCP server's HTTP transport
@@ -155,6 +184,18 @@ class Settings:
     #: ``tooleffect_mcp_allowed_origins``; ``name:*`` for any port).
     mcp_allowed_hosts: tuple[str, ...] = ()
     mcp_allowed_origins: tuple[str, ...] = ()
+    #: The issuer whose access tokens the MCP server accepts (None: no OAuth),
+    #: their audience, the issuer's keys (JWKS) or introspection endpoint, the
+    #: server's client credentials there, the server's own URL (RFC 9728) and
+    #: whether a call needs ``tool:<name>`` too (``tooleffect_mcp_oauth_*``).
+    mcp_oauth_issuer: str | None = None
+    mcp_oauth_audience: str | None = None
+    mcp_oauth_jwks_url: str | None = None
+    mcp_oauth_introspection_url: str | None = None
+    mcp_oauth_client_id: str | None = None
+    mcp_oauth_client_secret: str | None = field(default=None, repr=False)
+    mcp_oauth_resource_url: str | None = None
+    mcp_oauth_tool_scopes: bool = False
     #: Flower's ``/metrics`` asks for Flower's authentication, when it has one
     #: (``tooleffect_flower_metrics_auth``; False: it answers anyone, as Flower's own).
     flower_metrics_auth: bool = True
@@ -164,8 +205,11 @@ class Settings:
     #: A queue whose oldest unresolved dead letter is older than this many
     #: seconds is warned about (``tooleffect_dead_letter_warn_age``).
     dead_letter_warn_age: float = 24 * 3600.0
+    #: The key of the audit events' MACs (``tooleffect_audit_key`` or the
+    #: content of ``tooleffect_audit_key_file``); None: events are not keyed.
+    audit_key: bytes | None = field(default=None, repr=False)
 
-    @property
+    @cached_property
     def store_endpoint(self) -> RedisEndpoint:
         """:attr:`store`, resolved from :attr:`redis_url` for hand-made settings."""
         return self.store or resolve(self.redis_url, setting="tooleffect_redis_url",
@@ -174,9 +218,11 @@ class Settings:
     @property
     def dead_letter_endpoint(self) -> RedisEndpoint:
         """:attr:`dead_letter_store`, resolved from :attr:`dead_letter_url` likewise."""
-        return self.dead_letter_store or resolve(self.dead_letter_url, setting="broker_url")
+        return self.dead_letter_store or resolve(
+            self.dead_letter_url, setting="broker_url",
+            cluster=self.redis_cluster and self.dead_letter_url == self.redis_url)
 
-    @property
+    @cached_property
     def broker_rolls_back_with_store(self) -> bool:
         """Whether the broker is a Redis on the store's server (any database): a
         rollback of the store then rolls the queues back with it, so a message
@@ -197,7 +243,7 @@ class Settings:
         redeliveries = self.visibility_timeout * (self.max_retries + 2)
         return math.ceil(redeliveries + self.backoff_cap * self.max_retries)
 
-    @property
+    @cached_property
     def journal_ttl(self) -> int:
         """How long a journal entry lives: past any redelivery of its message."""
         redeliveries = self.visibility_timeout * (self.max_retries + 2)
@@ -267,13 +313,9 @@ def _read(app: Celery) -> Settings:
     broker_is_redis = is_redis_family(broker_url)
     transport_options = dict(conf.broker_transport_options or {})
     redis_cluster = bool(get("tooleffect_redis_cluster"))
-    if redis_cluster and not broker_is_redis:
-        # Dead letters would then be kept in the store, and their indexes
-        # (every queue, every reason) are not in one hash slot.
-        raise ConfigurationError(
-            "tooleffect_redis_cluster needs a Redis broker: dead letters are kept in the "
-            "broker's Redis, and cannot be kept in a cluster"
-        )
+    # A broker that is not Redis (RabbitMQ) with a cluster store: the dead
+    # letters are kept in the cluster, every dead-letter key in one slot
+    # (store/keys.py, ``dead_letters_in_one_slot``).
     if redis_cluster and not conf.get("tooleffect_redis_url"):
         raise ConfigurationError(
             "tooleffect_redis_cluster needs tooleffect_redis_url (a node of the cluster): "
@@ -295,6 +337,7 @@ def _read(app: Celery) -> Settings:
         store = broker_redis or resolve(DEFAULT_STORE_URL, setting="tooleffect_redis_url")
     redis_url = str(named or (broker_url if broker_redis else DEFAULT_STORE_URL))
     replicas, fsync, wait_timeout = _durability(conf, get, store)
+    max_retries = _whole(get, "tooleffect_max_retries", 0)
     privacy = str(get("tooleffect_privacy")).lower()
     if privacy not in PRIVACY_LEVELS:
         raise ConfigurationError(
@@ -305,24 +348,24 @@ def _read(app: Celery) -> Settings:
         broker_url=broker_url,
         dead_letter_url=broker_url if broker_is_redis else str(redis_url),
         key_prefix=str(get("tooleffect_key_prefix")),
-        max_retries=int(get("tooleffect_max_retries")),
-        backoff_base=float(get("tooleffect_backoff_base")),
-        backoff_cap=float(get("tooleffect_backoff_cap")),
+        max_retries=max_retries,
+        backoff_base=_seconds(get, "tooleffect_backoff_base"),
+        backoff_cap=_seconds(get, "tooleffect_backoff_cap"),
         privacy=privacy,
         retention=0,  # checked against the journal's minimum below
-        run_stream_maxlen=int(get("tooleffect_run_stream_maxlen")),
-        global_stream_maxlen=int(get("tooleffect_global_stream_maxlen")),
+        run_stream_maxlen=_whole(get, "tooleffect_run_stream_maxlen", 1),
+        global_stream_maxlen=_whole(get, "tooleffect_global_stream_maxlen", 1),
         failure_classes=dict(get("tooleffect_failure_classes")),
-        socket_timeout=float(get("tooleffect_socket_timeout")),
+        socket_timeout=_above_zero(get, "tooleffect_socket_timeout"),
         broker_is_redis=broker_is_redis,
         visibility_timeout=float(transport_options.get("visibility_timeout", 3600)),
         heartbeat_interval=(
-            float(conf["tooleffect_heartbeat_interval"])
+            _above_zero(get, "tooleffect_heartbeat_interval")
             if conf.get("tooleffect_heartbeat_interval") else None
         ),
-        rabbitmq_consumer_timeout=float(get("tooleffect_rabbitmq_consumer_timeout")),
-        reconcile_timeout=float(get("tooleffect_reconcile_timeout")),
-        approval_timeout=float(get("tooleffect_approval_timeout")),
+        rabbitmq_consumer_timeout=_above_zero(get, "tooleffect_rabbitmq_consumer_timeout"),
+        reconcile_timeout=_above_zero(get, "tooleffect_reconcile_timeout"),
+        approval_timeout=_seconds(get, "tooleffect_approval_timeout"),
         approval_retention=_seconds(get, "tooleffect_approval_retention"),
         broker_transport_options=transport_options,
         redis_cluster=redis_cluster,
@@ -338,17 +381,27 @@ def _read(app: Celery) -> Settings:
         release=(default_release(app) if conf.get("tooleffect_release") is None
                  else str(conf.get("tooleffect_release"))),
         atomic_fetch=broker_is_redis and atomic_fetch_enabled(conf),
-        agent_approval_wait=float(get("tooleffect_agent_approval_wait")),
-        agent_result_wait=float(get("tooleffect_agent_result_wait")),
-        agent_max_argument_bytes=int(get("tooleffect_agent_max_argument_bytes")),
+        agent_approval_wait=_seconds(get, "tooleffect_agent_approval_wait"),
+        agent_result_wait=_seconds(get, "tooleffect_agent_result_wait"),
+        agent_max_argument_bytes=_whole(get, "tooleffect_agent_max_argument_bytes", 1),
         agent_max_result_bytes=_positive(get, "tooleffect_agent_max_result_bytes"),
+        mcp_result_wait=_seconds(get, "tooleffect_mcp_result_wait"),
         mcp_token=(str(conf["tooleffect_mcp_token"]) if conf.get("tooleffect_mcp_token")
                    else None),
         mcp_allowed_hosts=_names(get, "tooleffect_mcp_allowed_hosts"),
         mcp_allowed_origins=_names(get, "tooleffect_mcp_allowed_origins"),
+        mcp_oauth_issuer=_text_or_none(conf, "tooleffect_mcp_oauth_issuer"),
+        mcp_oauth_audience=_text_or_none(conf, "tooleffect_mcp_oauth_audience"),
+        mcp_oauth_jwks_url=_text_or_none(conf, "tooleffect_mcp_oauth_jwks_url"),
+        mcp_oauth_introspection_url=_text_or_none(conf, "tooleffect_mcp_oauth_introspection_url"),
+        mcp_oauth_client_id=_text_or_none(conf, "tooleffect_mcp_oauth_client_id"),
+        mcp_oauth_client_secret=_text_or_none(conf, "tooleffect_mcp_oauth_client_secret"),
+        mcp_oauth_resource_url=_text_or_none(conf, "tooleffect_mcp_oauth_resource_url"),
+        mcp_oauth_tool_scopes=_flag(get, "tooleffect_mcp_oauth_tool_scopes"),
         flower_metrics_auth=_flag(get, "tooleffect_flower_metrics_auth"),
         dead_letter_warn_count=_count(get, "tooleffect_dead_letter_warn_count"),
         dead_letter_warn_age=_seconds(get, "tooleffect_dead_letter_warn_age"),
+        audit_key=audit_key(conf),
     )
     retention = _retention(resolved, conf.get("tooleffect_retention"))
     return dataclasses.replace(resolved, retention=retention)
@@ -370,6 +423,69 @@ def _retention(resolved: Settings, value: Any) -> int:
             f"journal's minimum: visibility_timeout x (max_retries + 2) + backoff_cap x "
             f"max_retries), not {value!r}")
     return int(value)
+
+
+def audit_key(conf: Mapping[str, Any]) -> bytes | None:
+    """``tooleffect_audit_key`` (text or bytes) or the content of
+    ``tooleffect_audit_key_file`` (trailing whitespace left out): at least
+    :data:`AUDIT_KEY_MINIMUM` bytes. None when neither is set."""
+    named, path = conf.get("tooleffect_audit_key"), conf.get("tooleffect_audit_key_file")
+    if named is not None and path is not None:
+        raise ConfigurationError(
+            "tooleffect_audit_key and tooleffect_audit_key_file are both set: give one")
+    setting, value = "tooleffect_audit_key", named
+    if path is not None:
+        setting = "tooleffect_audit_key_file"
+        if not isinstance(path, (str, PathLike)) or not str(path):
+            raise ConfigurationError(
+                f"tooleffect_audit_key_file must be the path of a file, not {path!r}")
+        try:
+            with open(path, "rb") as source:
+                value = source.read().rstrip()
+        except OSError as exc:
+            raise ConfigurationError(
+                f"tooleffect_audit_key_file {str(path)!r} cannot be read: "
+                f"{exc.strerror or exc}") from exc
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode("utf-8")
+    if not isinstance(value, bytes):
+        raise ConfigurationError(
+            f"{setting} must be a secret (text or bytes), not a {type(value).__name__}")
+    if len(value) < AUDIT_KEY_MINIMUM:
+        # The key itself is never shown.
+        raise ConfigurationError(
+            f"{setting} must be at least {AUDIT_KEY_MINIMUM} bytes (e.g. "
+            f"secrets.token_hex(32)), not {len(value)}")
+    return value
+
+
+def _whole(get: Any, key: str, minimum: int) -> int:
+    """Setting ``key``: a whole number (or its text), ``minimum`` or more."""
+    value = get(key)
+    try:
+        number = (int(value) if isinstance(value, (int, str))
+                  else int(value) if isinstance(value, float) and value.is_integer() else None)
+    except ValueError:
+        number = None
+    if isinstance(value, bool) or number is None or number < minimum:
+        raise ConfigurationError(
+            f"{key} must be a whole number, {minimum} or more, not {value!r}")
+    return number
+
+
+def _above_zero(get: Any, key: str) -> float:
+    """Setting ``key``: a number of seconds above 0."""
+    value = get(key)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = 0.0
+    if isinstance(value, bool) or not 0 < seconds < float("inf"):
+        raise ConfigurationError(
+            f"{key} must be a number of seconds above 0, not {value!r}")
+    return seconds
 
 
 def _count(get: Any, key: str) -> int:
@@ -396,6 +512,16 @@ def _names(get: Any, key: str) -> tuple[str, ...]:
             isinstance(name, str) and name.strip() for name in names):
         raise ConfigurationError(f"{key} must be a list of names, not {value!r}")
     return tuple(name.strip() for name in names)
+
+
+def _text_or_none(conf: Mapping[str, Any], key: str) -> str | None:
+    """Setting ``key``: a non-empty text, or None when it is not set or empty."""
+    value = conf.get(key)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{key} must be text, not {value!r}")
+    return value.strip() or None
 
 
 def _flag(get: Any, key: str) -> bool:
@@ -455,8 +581,8 @@ def _durability(conf: Any, get: Any, store: RedisEndpoint) -> tuple[int, bool, f
             f"tooleffect_store_replicas must be a whole number of replicas (0 or more), "
             f"not {replicas!r}")
     fsync = bool(get("tooleffect_store_fsync"))
-    wait_timeout = float(get("tooleffect_store_wait_timeout"))
-    socket_timeout = float(get("tooleffect_socket_timeout"))
+    wait_timeout = _seconds(get, "tooleffect_store_wait_timeout")
+    socket_timeout = _above_zero(get, "tooleffect_socket_timeout")
     if (replicas or fsync) and not 0 < wait_timeout < socket_timeout:
         raise ConfigurationError(
             f"tooleffect_store_wait_timeout ({wait_timeout:g}s) must be above 0 and below "

@@ -6,8 +6,9 @@ as Celery's ``celery/states.py`` names a task's states.
   ``celery tooleffect dlq show``);
 - :class:`ApprovalState`: where a call that needs a person's approval stands
   (:class:`~celery_tooleffect.store.approvals.Approval`, ``Approvals``);
+- :class:`Approver`: who approves a tool's calls (its ``requires_approval``);
 - :class:`DeadLetterReason`: why a task is a dead letter
-  (:class:`~celery_tooleffect.store.dead_letters.DeadLetter`, the
+  (:class:`~celery_tooleffect.store.dead_letter_record.DeadLetter`, the
   ``dead_letter_reason`` of a ``task-failed`` event);
 - :class:`CallStatus`: where a call stands as an agent is told
   (:class:`~celery_tooleffect.agents.CallReport`, the MCP server's results
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from .choices import Choice
 
-__all__ = ["ApprovalState", "CallStatus", "DeadLetterReason", "JournalState"]
+__all__ = ["ApprovalState", "Approver", "CallStatus", "DeadLetterReason", "JournalState"]
 
 
 class JournalState(Choice):
@@ -71,6 +72,9 @@ class ApprovalState(Choice):
     ABSENT = "absent"
     #: Parked: waiting for a person to approve or reject it.
     PENDING = "pending"
+    #: Approved by the agent's user, waiting for an operator (a tool whose
+    #: approver is :attr:`Approver.BOTH`).
+    USER_APPROVED = "user_approved"
     #: Approved: every delivery of its task id runs under the journal's rules.
     APPROVED = "approved"
     #: Rejected by a person: the call ends FAILURE (``ApprovalRejected``), nothing ran.
@@ -79,6 +83,28 @@ class ApprovalState(Choice):
     EXPIRED = "expired"
     #: A rejected or expired call that a worker ended FAILURE (``ApprovalRejected``).
     ENDED = "ended"
+
+
+class Approver(Choice):
+    """Who approves the calls of a tool that declares ``requires_approval``.
+
+    Whoever it is, the worker enforces the decision: a call runs only once a
+    decision for exactly the arguments shown is recorded in the store."""
+
+    __choice_name__ = "an approver"
+
+    #: An operator, from the CLI, Flower or ``Approvals(app)`` (``requires_approval = True``).
+    OPERATOR = "operator"
+    #: The agent's user, through the agent SDK's own pause and resume or the
+    #: MCP client; an operator may decide a call no user was asked about.
+    USER = "user"
+    #: The agent's user, then an operator, in turn.
+    BOTH = "both"
+
+    @property
+    def asks_user(self) -> bool:
+        """Whether the agent's user decides (first)."""
+        return self is not Approver.OPERATOR
 
 
 class DeadLetterReason(Choice):
@@ -105,8 +131,8 @@ class DeadLetterReason(Choice):
     #: header a producer may not set, or arguments the tool cannot take.
     MALFORMED_MESSAGE = "malformed_message"
     #: Its task id belongs to another call (another tool or other arguments);
-    #: kept under its own id (:func:`~celery_tooleffect.store.dead_letters.conflict_letter_id`),
-    #: never replayed.
+    #: kept under its own id
+    #: (:func:`~celery_tooleffect.store.dead_letter_record.conflict_letter_id`), never replayed.
     CALL_ID_CONFLICT = "call_id_conflict"
 
 

@@ -27,27 +27,33 @@ from .errors import (
     ToolContextError,
     ToolDeclarationError,
 )
-from .identity import call_task_id, checked_id, conflict_text, publish_digest
+from .identity import (
+    CALL_ID_HEADER,
+    CALLER_HEADER,
+    RUN_ID_HEADER,
+    call_task_id,
+    checked_id,
+    conflict_text,
+    publish_digest,
+)
 from .reconciliation import Reconciliation
 from .settings import refuse_unknown_settings
+from .states import Approver
 from .store.runtime import ToolRuntime, runtime_for
-from .worker.approvals import install_approval_sweep
+from .worker.approval_gate import install_approval_sweep
 from .worker.attempt import (
     AGAIN_HEADER,
-    CALL_ID_HEADER,
     REPUBLISH_OPTION,
-    RUN_ID_HEADER,
     forged_headers,
     idempotency_key,
     resolve_run_id,
 )
-from .worker.children import current_parent
+from .worker.children import ParentCall, current_parent
 from .worker.consumer import install_consumer_step
 from .worker.execution import acknowledge_success, run_tool
 from .worker.fetch import install_atomic_fetch
-from .worker.handoff import hand_over, hide_handoff, noted
+from .worker.handoff import attempt_notes, existing_notes, hand_over, hide_handoff
 from .worker.retries import (
-    REQUESTED_EXHAUSTED_MARK,
     RetryPolicy,
     refuse_autoretry,
     refuse_unbounded_retries,
@@ -95,10 +101,14 @@ class ToolTask(Task):  # type: ignore[misc]
     #: method, or the ``reconcile=`` option of ``@app.task``); None: it cannot
     #: tell, and an interrupted write is a dead letter.
     reconcile: ClassVar[Callable[..., Reconciliation] | None] = None
-    #: A write whose calls a person approves before they run: True for every
-    #: call, or a policy ``requires_approval(self, *args, **kwargs) -> bool``
-    #: (a method, or the ``requires_approval=`` option of ``@app.task``).
-    requires_approval: ClassVar[bool | Callable[..., bool]] = False
+    #: A write whose calls a person approves before they run: True (an
+    #: operator approves every call), an :class:`Approver` (or its value:
+    #: ``"user"``, the agent's user; ``"both"``, the user then an operator), or
+    #: a policy ``requires_approval(self, *args, **kwargs)`` answering one of
+    #: these, or False for a call that needs none (a method, or the
+    #: ``requires_approval=`` option of ``@app.task``).
+    requires_approval: ClassVar[bool | Approver | str | Callable[..., bool | Approver | str]] = (
+        False)
     #: How a call's arguments are shown to the people who approve it:
     #: ``approval_view(self, *args, **kwargs) -> Mapping[str, Any]`` (a method,
     #: or the ``approval_view=`` option of ``@app.task``), e.g. a card number
@@ -151,6 +161,11 @@ class ToolTask(Task):  # type: ignore[misc]
             raise ToolDeclarationError(
                 f"{cls.name}: approval_view shows a call to the people who approve it; "
                 "the tool declares no requires_approval")
+        if not callable(cls.requires_approval):
+            try:
+                approver_of(cls.requires_approval)
+            except ValueError as exc:
+                raise ToolDeclarationError(f"{cls.name}: requires_approval: {exc}") from None
         if cls.requires_approval and not declared.is_write:
             raise ToolDeclarationError(
                 f"{cls.name}: a READ_ONLY tool changes nothing, so there is nothing to "
@@ -255,7 +270,7 @@ class ToolTask(Task):  # type: ignore[misc]
         Only a write has one (a READ_ONLY tool keeps no journal), and only
         while its body runs; elsewhere it raises :class:`ToolContextError`.
         """
-        notes = noted(self.request)
+        notes = existing_notes(self.request)
         token = notes.fencing_token if notes is not None else None
         if token is None:
             raise ToolContextError(
@@ -283,17 +298,28 @@ class ToolTask(Task):  # type: ignore[misc]
 
     def needs_approval(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether this call waits for a person's approval, as the tool declares
-        (``requires_approval``). A policy that raises counts as yes: a call is
-        never let through because its check failed."""
+        (``requires_approval``)."""
+        return self.approver_for(args, kwargs) is not None
+
+    def approver_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Approver | None:
+        """Who approves this call (``requires_approval``); None: it needs no
+        approval. A policy that raises, or answers what is no approver, counts
+        as an operator's approval: a call is never let through because its
+        check failed."""
         policy = type(self).requires_approval
-        if not callable(policy):
-            return bool(policy)
+        if callable(policy):
+            try:
+                policy = policy(self, *args, **kwargs)
+            except Exception:
+                logger.exception("%s: requires_approval raised; the call waits for an "
+                                 "operator's approval", self.name)
+                return Approver.OPERATOR
         try:
-            return bool(policy(self, *args, **kwargs))
-        except Exception:
-            logger.exception("%s: requires_approval raised; the call waits for approval",
-                             self.name)
-            return True
+            return approver_of(policy)
+        except ValueError:
+            logger.error("%s: requires_approval answered %r, no approver; the call waits for "
+                         "an operator's approval", self.name, policy)
+            return Approver.OPERATOR
 
     def mcp_annotations(self) -> dict[str, bool]:
         """MCP tool annotations of this tool."""
@@ -361,7 +387,10 @@ class ToolTask(Task):  # type: ignore[misc]
             raise
         except BaseException as raised:
             if spent:
-                raised.__dict__[REQUESTED_EXHAUSTED_MARK] = limit
+                # For the failure handling of this attempt, in this process
+                # (worker/endings.py): the attempt's notes, not a mark on the
+                # error, which would travel on with it.
+                attempt_notes(request).retries_spent = (raised, limit)
             raise
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
@@ -397,7 +426,8 @@ class ToolTask(Task):  # type: ignore[misc]
         parent = current_parent()
         if parent is not None and options.get("task_id") is None:
             options["task_id"] = parent.child_id(self.name, step)
-            options["headers"] = {**(options.get("headers") or {}), RUN_ID_HEADER: parent.run_id}
+            options["headers"] = {**(options.get("headers") or {}), RUN_ID_HEADER: parent.run_id,
+                                  **_caller_of(parent)}
         elif step is not None:
             raise InvalidCallId(f"{self.name}: step= names a tool called in a tool's body")
         return super().apply(args, kwargs, **options)
@@ -438,7 +468,7 @@ class ToolTask(Task):  # type: ignore[misc]
         else:
             task_id = parent.child_id(self.name)
             lineage = {"root_id": parent.run_id, "parent_id": parent.task_id,
-                       RUN_ID_HEADER: parent.run_id}
+                       RUN_ID_HEADER: parent.run_id, **_caller_of(parent)}
         self.push_request(
             args=args, kwargs=kwargs, id=task_id, is_eager=True, called_directly=True,
             **lineage,
@@ -463,6 +493,9 @@ class ToolTask(Task):  # type: ignore[misc]
             headers[RUN_ID_HEADER] = checked_id(run_id, "run_id")
         elif parent is not None:
             headers.setdefault(RUN_ID_HEADER, parent.run_id)
+        if parent is not None and parent.caller:
+            # A child is part of the call that made it: the same caller.
+            headers.setdefault(CALLER_HEADER, parent.caller)
         if step is not None and (parent is None or call_id is not None
                                  or options.get("task_id") is not None):
             raise InvalidCallId(f"{self.name}: step= names a tool called in a tool's body "
@@ -539,3 +572,22 @@ def _refuse_relabel(name: str, options: Mapping[str, Any]) -> None:
             f"{name}: a call may not set {', '.join(refused + forged)}; "
             "a tool's effect and guarantees are declared in code"
         )
+
+
+def approver_of(declared: Any) -> Approver | None:
+    """The approver a ``requires_approval`` value names: True is an operator,
+    False or None no approval, else an :class:`Approver` or its value
+    (``ValueError`` for anything else)."""
+    if declared is None or declared is False:
+        return None
+    if declared is True:
+        return Approver.OPERATOR
+    if isinstance(declared, (Approver, str)):
+        return Approver.coerce(declared)
+    raise ValueError(f"{declared!r} is neither a bool nor an approver "
+                     f"({', '.join(a.value for a in Approver)})")
+
+
+def _caller_of(parent: ParentCall) -> dict[str, str]:
+    """The caller header a child of ``parent`` carries: its parent's, if any."""
+    return {CALLER_HEADER: parent.caller} if parent.caller else {}

@@ -42,12 +42,10 @@ from typing import Any, TypeVar
 
 import redis
 
-# RedisServerError was defined here: still importable from here (see errors.py).
 from .errors import RedisServerError
 
 __all__ = [
     "RedisServer",
-    "RedisServerError",
     "WorkerProcess",
     "configure_for_test",
     "delete_keys",
@@ -187,12 +185,15 @@ class RedisServer:
         return [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--save", "", "--dir", self.workdir, *persistence, *auth, *self.args]
 
-    def start(self) -> RedisServer:
-        """Start the server and wait until it answers."""
+    def start(self, *, detached: bool = False) -> RedisServer:
+        """Start the server and wait until it answers. ``detached``: in a
+        session of its own, so that what ends the caller's process group (a
+        terminal's Ctrl-C) does not end the server."""
         if self.process is not None and self.process.poll() is None:
             raise RedisServerError(f"redis-server on {self.port} is running already")
         self.process = subprocess.Popen(
-            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=detached,
         )
         deadline = time.monotonic() + self.start_timeout
         while not pings(self.url):

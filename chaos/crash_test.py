@@ -23,7 +23,7 @@ restarted. At the end:
 message off the queue with ``BRPOP`` and only then records it as
 unacknowledged (``QoS.append``, a second command): a worker killed between the
 two loses the message before Celery or this package sees it. The package's
-atomic fetch (``celery_tooleffect.store.transport``, ``store/scripts/fetch.lua``;
+atomic fetch (``celery_tooleffect.worker.transport``, ``store/scripts/fetch.lua``;
 on by default, ``--fetch atomic``) records the message in kombu's ``unacked``
 hash and index and pops it in one Lua script, which closes that window: a
 killed worker's message is either still queued or unacknowledged, and kombu's
@@ -177,14 +177,18 @@ RABBITMQ_HEARTBEAT = 0.5
 
 
 def spawn(prefix: str, logdir: Path, index: int, visibility_timeout: float,
-          broker_url: str = REDIS_URL, fetch: str = TEST_FETCH) -> WorkerProcess:
+          broker_url: str = REDIS_URL, fetch: str = TEST_FETCH,
+          store_url: str | None = None) -> WorkerProcess:
     """A ``celery worker`` of the test suite's tool app (``tests/apps/tool_app.py``,
     run as a module from the repository's root, never imported here), with
     ``fetch`` on a Redis broker (``TOOLEFFECT_TEST_FETCH``, read by
-    ``tests.support.app_config``)."""
+    ``tests.support.app_config``); ``store_url``: results and store there
+    (another database of the broker's server: Celery's split deployment)."""
     env = dict(TE_PREFIX=prefix, TE_BROKER=broker_url, TE_COUNTERS=REDIS_URL,
                TE_VT=str(visibility_timeout), TE_MAX_RETRIES="5",
                TOOLEFFECT_TEST_FETCH=fetch)
+    if store_url:
+        env.update(TE_STORE=store_url, TE_RESULTS=store_url)
     if not broker_url.startswith("redis"):
         env["TE_HEARTBEAT"] = str(RABBITMQ_HEARTBEAT)
     return start_celery_worker(
@@ -195,12 +199,15 @@ def spawn(prefix: str, logdir: Path, index: int, visibility_timeout: float,
 
 def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
         settle_timeout: float = 240.0, broker_url: str = REDIS_URL,
-        fetch: str | None = None, tools: Sequence[str] | None = None) -> Summary:
+        fetch: str | None = None, tools: Sequence[str] | None = None,
+        store_url: str | None = None) -> Summary:
     """The crash test (see the module docs). ``fetch``: ``atomic`` or ``kombu``
     on a Redis broker (default: the test suite's, ``TOOLEFFECT_TEST_FETCH``);
     ``tools``: the tools of the mix (default: all of :data:`TOOLS`), chosen
     evenly; ``settle_timeout``: how long, after the last kill, the tasks have to
-    become final."""
+    become final; ``store_url``: Celery's results and the package's store there,
+    not on the broker (Celery's split deployment: another database of the
+    broker's server)."""
     fetch = fetch or TEST_FETCH
     if fetch not in FETCHES:
         raise ValueError(f"fetch must be one of {FETCHES}, not {fetch!r}")
@@ -218,6 +225,8 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
         prefix, broker_url=broker_url, tooleffect_atomic_fetch=fetch == "atomic",
         broker_transport_options={"global_keyprefix": prefix,
                                   "visibility_timeout": visibility_timeout}))
+    if store_url:
+        app.conf.update(result_backend=store_url, tooleffect_redis_url=store_url)
     if not on_redis:
         app.conf.broker_transport_options = {}
         app.conf.tooleffect_heartbeat_interval = RABBITMQ_HEARTBEAT
@@ -226,7 +235,7 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
     logdir = Path(tempfile.mkdtemp(prefix="tooleffect-crash-"))
     print(f"worker logs and kill log: {logdir}", file=sys.stderr)
     summary = Summary(tasks=tasks, fetch=fetch if on_redis else "amqp")
-    workers = [spawn(prefix, logdir, i, visibility_timeout, broker_url, fetch)
+    workers = [spawn(prefix, logdir, i, visibility_timeout, broker_url, fetch, store_url)
                for i in range(2)]
     spawned = 2
     submitted: dict[str, tuple[str, str]] = {}  # task id -> (tool, key)
@@ -268,7 +277,7 @@ def run(kills: int, tasks: int, seed: int, visibility_timeout: float = 3.0,
                      f"(pid {worker.process.pid})")
                 worker.kill()
                 workers[index] = spawn(prefix, logdir, spawned, visibility_timeout,
-                                       broker_url, fetch)
+                                       broker_url, fetch, store_url)
                 note(f"started {workers[index].log.name}")
                 spawned += 1
             summary.kills += 1
@@ -438,6 +447,14 @@ def check_reconciling(client: redis.Redis, prefix: str, task_id: str, key: str,
             summary.reconciled[event["status"]] += 1
 
 
+def split_url(broker_url: str) -> str:
+    """The URL of database 1 of a Redis broker's server (0 if the broker is in 1)."""
+    base, _, db = broker_url.rpartition("/")
+    if not base.startswith("redis") or not db.isdigit():
+        raise SystemExit(f"--split needs a redis://host:port/db broker URL, not {broker_url}")
+    return f"{base}/{0 if db == '1' else 1}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=10)
@@ -451,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fetch", choices=FETCHES, default=TEST_FETCH,
                         help="on a Redis broker: the package's atomic fetch (default) or "
                              "kombu's own")
+    parser.add_argument("--split", action="store_true",
+                        help="Celery's split deployment: results and store in database 1 of "
+                             "the broker's Redis server (the broker in its own database)")
     parser.add_argument("--tools", type=lambda value: [name.strip() for name in
                                                        value.split(",") if name.strip()],
                         default=None, metavar="NAME[,NAME]",
@@ -461,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tools: unknown {unknown}; choose among {','.join(TOOLS)}")
     summary = run(args.kills, args.tasks, args.seed, args.visibility_timeout,
                   settle_timeout=args.settle_timeout, broker_url=args.broker,
-                  fetch=args.fetch, tools=args.tools)
+                  fetch=args.fetch, tools=args.tools,
+                  store_url=split_url(args.broker) if args.split else None)
     print(summary.line() + f" broker={args.broker.split('@')[-1]} seed={args.seed}")
     for problem in summary.problems:
         print("  " + problem)

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from celery_tooleffect.demo.tools import world
 from celery_tooleffect.pytest_plugin import BOUNDARIES, Ending, ToolHarness
-from examples.agent_app import world
 
 pytest_plugins = ["celery_tooleffect.pytest_plugin"]
 pytestmark = pytest.mark.tooleffect_app("examples.agent_app")

@@ -278,9 +278,11 @@ SLOW: dict[str, str] = {
     "tests/test_leases.py::"
     "test_a_second_delivery_while_the_owner_runs_is_deferred_then_settled": "11.2 s",
     "tests/test_dlq_scale.py": "11.2 s",
+    "tests/test_cluster_rabbitmq.py::"
+    "test_effects_dead_letters_replay_and_approvals_on_rabbitmq_with_a_cluster_store": "16.2 s",
     "tests/test_pytest_plugin.py": "73.3 s (both)",
     "tests/test_examples_plugin.py": "312.2 s",
-    "tests/test_demo.py": "30.7 s (all four)",
+    "tests/test_demo.py": "95.3 s (all four)",
     "tests/test_replication.py::"
     "test_a_store_short_of_replicas_starts_runs_reads_and_holds_writes": "11.4 s",
 }
@@ -326,10 +328,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Mark by where a test is: tests/faults/ ``faults``, test_cluster.py
     ``cluster``, a test that drives a browser (the ``browser`` fixture of
     test_flower.py) ``browser``, the tests of :data:`SLOW` ``slow``, a test
-    on RabbitMQ (:func:`_on_rabbitmq`) ``rabbitmq``."""
+    on RabbitMQ (:func:`_on_rabbitmq`) ``rabbitmq``. Without the suite's
+    Redis (:func:`suite_redis_unavailable`) every test outside tests/unit is
+    skipped, saying why."""
     faults = TESTS / "faults"
+    unit = TESTS / "unit"
+    no_redis = suite_redis_unavailable()
     for item in items:
         path = Path(item.path)
+        if no_redis is not None and unit not in path.parents:
+            item.add_marker(pytest.mark.skip(reason=no_redis))
         if faults in path.parents:
             item.add_marker(pytest.mark.faults)
         if path.name == "test_cluster.py":
@@ -348,6 +356,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # matrix does not start last and leave the other workers idle at the
         # end (longest-first scheduling); the rest keep their order.
         items.sort(key=lambda item: -_seconds(item.nodeid))
+
+
+#: Why the suite's Redis cannot be used (:func:`suite_redis_unavailable`);
+#: found once per process.
+_redis_state: list[str | None] = []
+
+
+def suite_redis_unavailable() -> str | None:
+    """Why the suite's Redis, the one on 127.0.0.1:6379, does not answer, or
+    None. Nearly every test outside tests/unit uses it (its apps' broker,
+    results and store). A Redis that ``TOOLEFFECT_TEST_REDIS_URL`` names is
+    not checked: whoever names one has it running."""
+    if not _redis_state:
+        why: str | None = None
+        if _machine_redis_is_the_suites():
+            client = redis.Redis(*MACHINE_REDIS, socket_timeout=3, socket_connect_timeout=3)
+            try:
+                client.ping()
+            except (redis.RedisError, OSError) as exc:
+                why = (f"no Redis answers at 127.0.0.1:6379 ({exc}): the tests outside "
+                       "tests/unit need it; scripts/services.sh (make test) starts one, "
+                       "TOOLEFFECT_TEST_REDIS_URL names another")
+            finally:
+                client.close()
+        _redis_state.append(why)
+    return _redis_state[0]
 
 
 def _on_rabbitmq(item: pytest.Item) -> bool:
@@ -410,7 +444,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     """The fault scenarios' summary lines, repeated at the end of the session,
-    and what the session's check of the machine's Redis found."""
+    that the suite had no Redis (once, not only in each skip), and what the
+    session's check of the machine's Redis found."""
+    no_redis = None if hasattr(config, "workerinput") else suite_redis_unavailable()
+    if no_redis is not None:
+        terminalreporter.section("no Redis: the tests outside tests/unit were skipped", red=True)
+        terminalreporter.write_line(no_redis)
     if _FAULT_LINES and not hasattr(config, "workerinput"):  # not in an xdist worker
         terminalreporter.section("fault scenarios")
         for line in _FAULT_LINES:

@@ -8,9 +8,9 @@ from typing import Any
 from celery import Celery
 from kombu.serialization import dumps
 
-from celery_tooleffect.store.dead_letters import DeadLetter
+from celery_tooleffect.identity import RUN_ID_HEADER
+from celery_tooleffect.store.dead_letter_record import DeadLetter
 from celery_tooleffect.store.envelope import MessageEnvelope
-from celery_tooleffect.worker.attempt import RUN_ID_HEADER
 
 
 def message_of_call(app: Celery, task_id: str, name: str, args: Any = (), kwargs: Any = None,

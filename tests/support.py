@@ -386,3 +386,73 @@ def _close_sockets(*sockets: socket.socket) -> None:
             sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             sock.close()
+
+
+# -- a run's audit events as Redis holds them (celery_tooleffect/store/chain.py) --
+
+
+def run_list(client: redis.Redis, key: str) -> tuple[bytes, list[bytes]]:
+    """A run's events list: its header and its elements, read with ``LRANGE``."""
+    raw = [item if isinstance(item, bytes) else item.encode()
+           for item in client.lrange(key, 0, -1)]
+    return (raw[0], raw[1:]) if raw else (b"", [])
+
+
+def split_items(element: bytes) -> list[tuple[bytes, bytes]]:
+    """The stored (name, value) pairs of one element, parsed here independently
+    of the package: two 8-hex sums, then ``<length>:<bytes>`` items."""
+    body, items, at = element[16:], [], 0
+    while at < len(body):
+        colon = body.index(b":", at)
+        length = int(body[at:colon])
+        items.append(body[colon + 1:colon + 1 + length])
+        at = colon + 1 + length
+    return list(zip(items[::2], items[1::2], strict=True))
+
+
+def join_items(sums: bytes, items: list[tuple[bytes, bytes]]) -> bytes:
+    """An element from its two sums and stored pairs (to edit one by hand)."""
+    return sums + b"".join(b"%d:%s" % (len(part), part) for pair in items for part in pair)
+
+
+def stored_phases(client: redis.Redis, key: str) -> list[bytes]:
+    """Each event's phase (``p``, or the ``+p`` its script put in its place)."""
+    phases = []
+    for element in run_list(client, key)[1]:
+        items = dict(split_items(element))
+        phases.append(items.get(b"+p", items.get(b"p", b"")))
+    return phases
+
+
+def run_fields(client: redis.Redis, key: str) -> list[dict[bytes, bytes]]:
+    """Each event of a run's list as readers see it, decoded here: its stored
+    names read back (one character: a code of ``chain.CODES``; ``=``: as
+    written; ``+``: added by the script, in place of the one sent), and an
+    outcome that names no task taking ``chain.INHERITED`` from the full event
+    before it."""
+    from celery_tooleffect.store.chain import CODES, INHERITED
+
+    codes = {code.encode(): name.encode() for name, code in CODES.items()}
+
+    def name_of(stored: bytes) -> bytes:
+        if stored.startswith(b"="):
+            return stored[1:]
+        return codes.get(stored, stored) if len(stored) == 1 else stored
+
+    events: list[dict[bytes, bytes]] = []
+    full: dict[bytes, bytes] | None = None
+    for element in run_list(client, key)[1]:
+        sent: dict[bytes, bytes] = {}
+        added: dict[bytes, bytes] = {}
+        for stored, value in split_items(element):
+            if stored.startswith(b"+"):
+                added[name_of(stored[1:])] = value
+            else:
+                sent[name_of(stored)] = value
+        if b"task_id" in sent:
+            full = dict(sent)
+        elif full is not None:
+            sent = {**{name.encode(): full[name.encode()] for name in INHERITED
+                       if name.encode() in full}, **sent}
+        events.append({**sent, **added})
+    return events

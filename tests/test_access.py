@@ -32,7 +32,7 @@ from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters, ToolEffect, ToolTask
 from celery_tooleffect.admin.operations import DeadLetterOperations
-from celery_tooleffect.store.dead_letters import DeadLetterQuery
+from celery_tooleffect.store.dead_letter_queries import DeadLetterQuery
 from celery_tooleffect.store.journal import Journal, JournalRef
 from tests.conftest import RedisServer, free_port, redis_server, running_worker, wait_for
 from tests.support import Monitor
@@ -42,19 +42,23 @@ from tests.test_bad_messages import publish
 WORKER_COMMANDS = {
     "evalsha", "script|load", "ping",
     # inside the package's scripts (journal, audit, storing a dead letter)
-    "hmget", "hget", "hset", "hsetnx", "hincrby", "expire", "xadd", "zadd", "sadd",
+    "hmget", "hget", "hset", "hsetnx", "hincrby", "expire", "zadd", "sadd",
+    # a dead-lettered write's journal entry, kept as long as its letter
+    "persist",
+    # a run's audit events, a list (prelude.lua's append_event; trimming)
+    "lindex", "rpush", "lset", "lrange", "ltrim",
     # the rollback watch inside the intent script (store/rollback.py)
     "get", "set",
-    # outside them (global stream copy, journal reads, dead-letter lookups,
+    # outside them (global stream copy "xadd", journal reads, dead-letter lookups,
     # a late outcome copied onto a dead letter, the declared effects a worker
     # publishes, reads and withdraws: store/declarations.py)
-    "hgetall", "hdel", "watch", "multi", "exec",
+    "xadd", "hgetall", "hdel", "watch", "multi", "exec",
 }
 #: What operators (CLI, Flower, AuditLog/DeadLetters readers) need besides the
 #: workers' commands. ``xread`` (``tooleffect audit tail --follow``) is listed
 #: in the README too but not run here.
 OPERATOR_COMMANDS = {
-    "zrem", "srem", "xrange", "hlen", "smembers", "zcard", "zrevrange", "zrevrangebyscore",
+    "zrem", "srem", "hlen", "smembers", "zcard", "zrevrange", "zrevrangebyscore",
     "zmscore", "xrevrange", "scan",
 }
 #: Asked for but not needed: a refusal is handled (and logged) by the package
@@ -161,7 +165,8 @@ def test_a_restricted_acl_user_is_enough_for_the_store_and_the_dead_letters(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     admin = acl_server.client()
-    app = make_app(broker_url="memory://", tooleffect_redis_url=store_url(acl_server.port))
+    app = make_app(broker_url="memory://", tooleffect_redis_url=store_url(acl_server.port),
+                   tooleffect_run_stream_maxlen=1)  # a dead letter's run is trimmed
     caplog.set_level(logging.WARNING, logger="celery_tooleffect.worker.startup")
     with Monitor(acl_server.client()) as monitor:
         core_flow(app)
@@ -190,7 +195,8 @@ def test_workers_need_only_the_workers_commands(
         admin = server.client()
         admin.execute_command("ACL", "SETUSER", "tooleffect",
                               *acl_rules(f"{prefix}te:", operators=False))
-        app = make_app(broker_url="memory://", tooleffect_redis_url=store_url(server.port))
+        app = make_app(broker_url="memory://", tooleffect_redis_url=store_url(server.port),
+                       tooleffect_run_stream_maxlen=1)
         with Monitor(server.client()) as monitor:
             core_flow(app, operators=False)
         # Every worker command is sent: HGETALL and HDEL by the declared effects
@@ -206,10 +212,11 @@ def test_a_user_without_a_needed_command_is_refused_loudly(
     """Without HSETNX no dead letter can be stored: the refusal is an error the
     package reports (StoreUnavailable), never a silent success."""
     from celery_tooleffect.errors import StoreUnavailable
-    from celery_tooleffect.store.dead_letters import DeadLetter
+    from celery_tooleffect.store.dead_letter_record import DeadLetter
 
     acl_server.client().execute_command("ACL", "SETUSER", "tooleffect", "-hsetnx")
-    app = make_app(broker_url="memory://", tooleffect_redis_url=store_url(acl_server.port))
+    app = make_app(broker_url="memory://", tooleffect_redis_url=store_url(acl_server.port),
+                   tooleffect_run_stream_maxlen=1)  # a dead letter's run is trimmed
     letter = DeadLetter(task_id="t", name="n", queue="tools", reason="not_retryable",
                         failure_class="unknown", effect="read_only")
     with pytest.raises(StoreUnavailable, match=r"can't run this command"):

@@ -124,6 +124,8 @@ def test_a_rejected_call_fails_runs_its_errback_and_stops_its_chain(
              timeout=30, what="the approval record to end")
     assert approval_events(app, gated.id) == [
         ("approval", "requested"), ("approval", "rejected"), ("outcome", "rejected")]
+    # Audited once, with the record's move: the task_failure handler knows it.
+    assert "failure_reported" not in {e["phase"] for e in AuditLog(app).events(gated.id)}
     assert DeadLetters(app).get(gated.id) is None  # a decision, not a failure to keep
 
 

@@ -89,9 +89,12 @@ def test_list_show_and_stats_of_parked_calls(
     first = report["approvals"][0]
     assert set(first) == {"task_id", "run_id", "name", "queue", "effect", "state",
                           "requested_at", "arguments", "worker", "decided_by",
-                          "decided_at", "reason"}
+                          "decided_at", "reason", "approver", "user_decided_by",
+                          "shown_digest"}
     assert (first["name"], first["queue"], first["effect"], first["state"]) == (
         "tools.approved_write", "tools", "non_idempotent_write", "pending")
+    assert (first["approver"], first["user_decided_by"], first["shown_digest"]) == (
+        "operator", "", "")
     # tooleffect_privacy is metadata: sizes, never the values.
     assert first["arguments"] == {"args_size": str(len(json.dumps([key]))),
                                   "kwargs_size": "2"}

@@ -11,6 +11,7 @@ from celery import Celery
 from celery_tooleffect import AuditEvent, AuditLog, ConfigurationError, ToolEffect, ToolTask
 from celery_tooleffect.events import EVENT_FIELDS
 from tests.conftest import RedisServer, redis_server, running_worker
+from tests.support import join_items, run_fields, run_list
 
 SECRET = "card-4111-1111-1111-1111"
 
@@ -29,6 +30,8 @@ def all_values(client: redis.Redis, prefix: str) -> bytes:
         if kind == b"stream":
             for _, fields in client.xrange(key):
                 blob += b" ".join(fields.values())
+        elif kind == b"list":
+            blob += b" ".join(client.lrange(key, 0, -1))
         elif kind == b"hash":
             blob += b" ".join(client.hvals(key))
     return blob
@@ -178,7 +181,7 @@ def test_a_store_that_must_load_its_scripts_first_copies_each_event_once(
 # -- read back typed ---------------------------------------------------------------------
 
 
-def test_events_read_back_are_typed_and_read_as_the_stored_stream_fields(
+def test_events_read_back_are_typed_and_read_as_the_stored_fields(
     make_app: Callable[..., Celery], main_redis: redis.Redis
 ) -> None:
     app = make_app()
@@ -186,18 +189,21 @@ def test_events_read_back_are_typed_and_read_as_the_stored_stream_fields(
     result = charge.apply(("c", 1))
     audit = AuditLog(app)
     intent, outcome = events = audit.events(result.id)
-    stored = main_redis.xrange(audit.keys.run_events(result.id))
+    stored = run_fields(main_redis, audit.keys.run_events(result.id))
     assert len(stored) == 2
-    for event, (entry_id, fields) in zip(events, stored, strict=True):
+    for seq, (event, fields) in enumerate(zip(events, stored, strict=True), 1):
         assert isinstance(event, AuditEvent)
-        # The mapping is the stream's text exactly, in stored order, with the entry id.
+        # The mapping is the stored text (decoded independently here), with
+        # its seq as id, the run id the key names, and the chain's links.
         text = {key.decode(): value.decode() for key, value in fields.items()}
-        assert list(event.items()) == [("id", entry_id.decode()), *text.items()]
-        assert event.entry_id == entry_id.decode()
+        assert dict(event) == {"id": str(seq), "seq": str(seq), "run_id": result.id, **text,
+                               "prev": event.prev, "hash": event.hash}
+        assert list(event)[:3] == ["id", "seq", "run_id"]
+        assert event.entry_id == str(seq)
         # The attributes are those values parsed.
         assert event.ts == float(text["ts"]) and isinstance(event.ts, float)
         assert event.attempt == int(text["attempt"]) == 1
-        assert event.seq == int(text["seq"])
+        assert event.seq == seq
         assert event.redelivered is False
         assert (event.run_id, event.task_id, event.tool, event.effect) == (
             result.id, result.id, "tools.charge", "non_idempotent_write")
@@ -211,7 +217,11 @@ def test_events_read_back_are_typed_and_read_as_the_stored_stream_fields(
     assert outcome.duration_ms == float(outcome["duration_ms"])
     assert intent.ts <= outcome.ts
     assert outcome.details["args_size"] == str(len('["c",1]'))
-    # The chain is checked over the raw stored fields, as before.
+    # The outcome stored only what its intent had not said (same task).
+    header, elements = run_list(main_redis, audit.keys.run_events(result.id))
+    assert header.startswith(b"te1 2 " + outcome.hash.encode())
+    assert b"1:t" not in elements[1][16:20] and result.id.encode() not in elements[1]
+    # The chain is checked over the raw stored elements, as before.
     assert audit.verify(result.id).intact
 
 
@@ -227,7 +237,13 @@ def test_tail_reads_back_typed_global_copies(make_app: Callable[..., Celery],
     assert [event.phase for event in tail] == ["intent", "outcome"]
     for event in tail:
         assert event.entry_id is not None
-        assert dict(event) == {"id": event.entry_id, **stored[event.entry_id]}
+        # Lean copies: the run id left out when it is the task id, the
+        # time the entry id's; read back whole.
+        copy = stored[event.entry_id]
+        assert "run_id" not in copy and "ts" not in copy and "queue" not in copy
+        assert dict(event) == {"run_id": result.id, **copy,
+                               "ts": f"{int(event.entry_id.split('-')[0]) / 1000:.3f}",
+                               "id": event.entry_id}
         assert event.ts == float(event["ts"])
         # The copy is the event as the client sent it: what a script adds (the
         # intent's attempt, the chain) is in the run's stream only.
@@ -240,11 +256,15 @@ def test_an_event_stored_by_hand_reads_back_with_empty_values(
 ) -> None:
     app = make_app()
     audit = AuditLog(app)
-    fields = {"run_id": "run-odd", "phase": "note", "ts": "1796345286.29", "attempt": "two",
-              "redelivered": "1", "extra": "é"}
-    entry_id = main_redis.xadd(audit.keys.run_events("run-odd"), fields).decode()  # type: ignore[arg-type]
+    fields = {"phase": "note", "ts": "1796345286.29", "attempt": "two", "redelivered": "1",
+              "extra": "é"}
+    # No header, the common names stored in full: read as they are.
+    main_redis.rpush(audit.keys.run_events("run-odd"), join_items(b"0" * 16, [
+        (name.encode(), value.encode()) for name, value in fields.items()]))
     [event] = audit.events("run-odd")
-    assert dict(event) == {"id": entry_id, **fields}
+    assert dict(event) == {"id": "1", "seq": "1", "run_id": "run-odd", **fields,
+                           "prev": "", "hash": event.hash}
     assert (event.ts, event.attempt, event.redelivered, event.seq) == (
-        1796345286.29, None, True, None)
+        1796345286.29, None, True, 1)
+    assert not audit.verify("run-odd").intact
     assert (event.tool, event.status, dict(event.details)) == ("", "", {"extra": "é"})

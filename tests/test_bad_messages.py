@@ -22,7 +22,8 @@ from celery import Celery
 
 from celery_tooleffect import ToolTask
 from celery_tooleffect.store.audit import AuditLog
-from celery_tooleffect.store.dead_letters import DeadLetter, DeadLetterReason, DeadLetters
+from celery_tooleffect.store.dead_letter_record import DeadLetter
+from celery_tooleffect.store.dead_letters import DeadLetterReason, DeadLetters
 from celery_tooleffect.worker.consumer import DeadLetterStep, install_consumer_step
 from tests.conftest import REDIS_URL, RedisServer, running_worker, wait_for
 

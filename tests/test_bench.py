@@ -115,3 +115,13 @@ def test_the_benchmark_runs_every_phase_and_counts_the_round_trip_floor(tmp_path
     assert f"| {BASELINE} |" in done.stdout and f"| {PLAIN_ATOMIC} |" in done.stdout
     assert "| READ_ONLY |" in done.stdout and "ratio to baseline" in done.stdout
     assert "Targets (reported, not asserted)" in done.stdout
+
+    # The pools matrix's smoke cell: threads, bodies that wait, the split
+    # deployment; every variant ran its round and its waves.
+    (cell,) = figures["pools"]
+    assert (cell["pool"], cell["body"], cell["deployment"]) == (
+        "threads", "waiting", "split databases")
+    assert list(cell["rates"]) == ["plain Celery", "READ_ONLY", *WRITES]
+    assert all(len(rates) == 1 for rates in cell["rates"].values())
+    assert all(len(taken) == 2 * cell["concurrency"] for taken in cell["latencies_ms"].values())
+    assert "| threads (20, 1) | waiting | split databases |" in done.stdout

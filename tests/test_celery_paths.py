@@ -11,6 +11,7 @@ where the task ended, and what the journal and audit hold.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 import uuid
@@ -23,15 +24,18 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditEvent, DeadLetters
-from celery_tooleffect.store.dead_letters import DeadLetter
+from celery_tooleffect.store.dead_letter_record import DeadLetter
 from celery_tooleffect.store.journal import JournalRef
+from celery_tooleffect.store.lua import script
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.states import Ending, JournalState
 from celery_tooleffect.worker.handoff import HANDOFF_FIELD, NOTES_FIELD
 from tests.apps.paths_app import build
 from tests.conftest import REDIS_URL, WorkerProcess, wait_for
+from tests.support import Monitor
 
 EFFECTS = ("read_only", "idempotent_write", "non_idempotent_write")
+SCRIPT_NAMES = {script(name).sha: name for name in ("begin_attempt", "transition")}
 
 
 @pytest.fixture
@@ -128,6 +132,36 @@ def test_autoretry_with_backoff_retries_an_idempotent_write_until_it_succeeds(
     assert all(0 <= float(event["countdown"]) <= 1 for event in retrying)
     assert all(event["exception_type"] == "ConnectionError" for event in retrying)
     assert DeadLetters(app).get(task_id) is None
+
+
+def test_retry_state_is_stored_before_the_retry_can_begin(
+    app: Celery, start: Callable[..., WorkerProcess],
+) -> None:
+    """Celery publishes a retry before its tracer stores RETRY, and its guard
+    against overwriting a SUCCESS is a GET then a SET: a retry whose countdown
+    jitter made 0 could begin, run and store SUCCESS in between, leaving the
+    call RETRY forever (seen under CI load). The worker stores RETRY inside
+    each attempt, before the journal lets the retry begin, and the tracer
+    does not store it again."""
+    start()
+    task_id = uuid.uuid4().hex
+    stored = re.compile(r'status\W+(RETRY|SUCCESS)')
+    with Monitor(redis.Redis.from_url(REDIS_URL)) as monitor:
+        app.send_task("paths.flaky_write", ("jitter", 2), task_id=task_id, queue="tools")
+        wait_for(lambda: state_of(app, task_id) == "SUCCESS", what="the write to succeed")
+    steps = []
+    for command in list(monitor.received):
+        words = command["command"].split(" ")
+        if task_id not in command["command"]:
+            continue
+        if words[0].upper() == "EVALSHA" and words[1] in SCRIPT_NAMES:
+            steps.append(SCRIPT_NAMES[words[1]])
+        elif words[0].upper() in ("SET", "SETEX") and "celery-task-meta" in words[1]:
+            match = stored.search(command["command"])
+            assert match is not None, command
+            steps.append(match.group(1))
+    assert steps == ["begin_attempt", "RETRY", "transition"] * 2 + [
+        "begin_attempt", "transition", "SUCCESS"], steps
 
 
 def test_autoretry_spends_the_tool_budget_then_dead_letters_retries_exhausted(
@@ -269,6 +303,11 @@ def test_a_task_revoked_before_it_starts_ends_without_running(
     effect: str,
 ) -> None:
     start()
+    # A revoke is a broadcast: on Redis, kombu's fanout is pub/sub, and a
+    # worker that is ready but has not yet subscribed its pidbox never hears
+    # it (seen in loaded CI runs: the task then ran at its ETA). Once the
+    # worker answers a ping it hears broadcasts.
+    wait_for(lambda: app.control.ping(timeout=0.5), what="the worker to answer a ping")
     key = f"early-{effect}"
     task_id = send(app, f"paths.hold_{effect}", key, countdown=2)
     app.control.revoke(task_id)

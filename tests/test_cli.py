@@ -10,6 +10,7 @@ many times its body ran, so a replay is seen to really run the task again.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -41,7 +42,7 @@ from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.states import JournalState
 from tests.conftest import REDIS_URL, TESTS, Counter, running_worker, wait_for
 from tests.letters import letter_of_call
-from tests.support import TcpProxy
+from tests.support import TcpProxy, run_fields, run_list
 
 WIDTH = 100
 NAMES = {
@@ -892,10 +893,10 @@ def test_the_tools_table_keeps_tool_names_whole_at_80_columns(tools: Tools) -> N
     assert "celery@worker-2.eu-west-1.compute.internal" in wide.stdout
 
 
-# -- audit JSON: the stored stream fields, byte for byte ---------------------------------
+# -- audit JSON: the stored fields, byte for byte ---------------------------------------
 
 
-def test_audit_json_is_the_stored_stream_fields(tools: Tools, main_redis: redis.Redis) -> None:
+def test_audit_json_is_the_stored_fields(tools: Tools, main_redis: redis.Redis) -> None:
     app = tools.app
     audit = AuditLog(app)
     run_id = f"run-{uuid.uuid4().hex[:8]}"
@@ -903,16 +904,26 @@ def test_audit_json_is_the_stored_stream_fields(tools: Tools, main_redis: redis.
         run_id=run_id, task_id="t-1", tool="tools.read", effect=ToolEffect.READ_ONLY,
         phase="outcome", status="succeeded", worker="w:1", queue="tools", attempt=2,
         duration_ms=1.5, redelivered=True, result_size=12, note="é"))
-    # As a Lua script may write a number: not in the event's own format.
-    main_redis.xadd(audit.keys.run_events(run_id), {  # type: ignore[arg-type]
-        "run_id": run_id, "task_id": "t-2", "ts": "1796345286.29", "attempt": "1",
-        "redelivered": "0", "phase": "note", "status": "kept"})
+    assert audit.record_step(AuditEvent.of(
+        run_id=run_id, task_id="t-2", tool="tools.read", effect=ToolEffect.READ_ONLY,
+        phase="note", status="kept", worker="w:1", queue="tools"))
 
     def decoded(entries: Any) -> list[dict[str, str]]:
         return [{"id": entry_id.decode(), **{k.decode(): v.decode() for k, v in fields.items()}}
                 for entry_id, fields in entries]
 
-    stored = decoded(main_redis.xrange(audit.keys.run_events(run_id)))
+    # Each event's stored fields (decoded independently), its seq, and the
+    # chain's links computed from the stored elements.
+    key = audit.keys.run_events(run_id)
+    stored, previous = [], ""
+    for seq, (fields, element) in enumerate(zip(run_fields(main_redis, key),
+                                                run_list(main_redis, key)[1], strict=True), 1):
+        link = hashlib.sha1(previous.encode() + element[16:]).hexdigest()
+        stored.append({"id": str(seq), "seq": str(seq), "run_id": run_id,
+                       **{k.decode(): v.decode() for k, v in fields.items()},
+                       "prev": previous, "hash": link})
+        previous = link
+    assert stored[0]["note"] == "é" and stored[1]["task_id"] == "t-2"
     shown = invoke(app, "audit", "show", run_id, "--json")
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.stdout) == {"run_id": run_id, "events": stored}
@@ -921,9 +932,11 @@ def test_audit_json_is_the_stored_stream_fields(tools: Tools, main_redis: redis.
                                       sort_keys=True, ensure_ascii=False) + "\n"
     assert all(isinstance(value, str) for event in stored for value in event.values())
 
+    # The tail: the lean copy, its time the entry id's.
     copies = decoded(main_redis.xrevrange(audit.keys.global_events, count=1))
     tail = invoke(app, "audit", "tail", "--count", "1", "--json")
     assert tail.exit_code == 0, tail.output
-    assert tail.stdout.splitlines() == [json.dumps(copy, sort_keys=True, ensure_ascii=False)
-                                        for copy in copies]
-    assert json.loads(tail.stdout)["note"] == "é"
+    assert tail.stdout.splitlines() == [json.dumps(
+        {**copy, "ts": f"{int(copy['id'].split('-')[0]) / 1000:.3f}"}, sort_keys=True,
+        ensure_ascii=False) for copy in copies]
+    assert json.loads(tail.stdout)["status"] == "kept"

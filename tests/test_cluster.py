@@ -4,15 +4,19 @@ nodes started by the test, joined with ``redis-cli --cluster create``.
 All keys of a run carry the run id as their hash tag, so every journal script
 touches one slot; the copy to the global stream is a separate command that
 may land on another node. The broker (and so the dead letters) stays on the
-single Redis: kombu's Redis transport does not support Cluster.
+single Redis: kombu's Redis transport does not support Cluster. With RabbitMQ
+the dead letters are kept in the cluster (tests/test_cluster_rabbitmq.py).
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,6 +30,7 @@ from celery import Celery
 from redis.cluster import RedisCluster
 
 from celery_tooleffect import AuditLog, ConfigurationError, DeadLetters, ToolEffect, ToolTask
+from celery_tooleffect.events import AuditEvent
 from celery_tooleffect.store.audit import StepContext
 from celery_tooleffect.store.journal import Journal, JournalRef
 from celery_tooleffect.store.keys import Keys
@@ -135,12 +140,25 @@ def run_ids_on_every_node(cluster: Cluster, keys: Keys) -> list[str]:
     raise AssertionError("no run ids found for every node")
 
 
+def runs_copied_to_every_node(cluster: Cluster, keys: Keys) -> list[str]:
+    """Run ids whose global copy lands on each of the three nodes, chosen (not
+    drawn) so that a follower that skipped a node's shards is always caught."""
+    found: dict[int, str] = {}
+    for n in range(10_000):
+        run_id = f"run-{n}-{uuid.uuid4().hex[:6]}"
+        found.setdefault(cluster.node_of(keys.global_stream(run_id)), run_id)
+        if len(found) == len(cluster.ports):
+            return list(found.values())
+    raise AssertionError("no run ids copied to every node")
+
+
 def test_journal_and_audit_scripts_on_a_cluster(cluster: Cluster, cluster_app: Celery) -> None:
     audit = AuditLog(cluster_app)
     journal = Journal(audit.settings, audit)
     assert isinstance(audit.client, RedisCluster)
     keys = audit.keys
-    for run_id in run_ids_on_every_node(cluster, keys):
+    runs = run_ids_on_every_node(cluster, keys)
+    for run_id in runs:
         task_id = f"task-{{{uuid.uuid4().hex}}}"  # braces in the task id too
         ref = JournalRef(run_id, task_id)
         context = StepContext(run_id=run_id, task_id=task_id, tool="cluster.write",
@@ -175,10 +193,19 @@ def test_journal_and_audit_scripts_on_a_cluster(cluster: Cluster, cluster_app: C
         assert check.intact and check.events == 4, check
         # The run's keys are on one node; the global stream may be on another.
         nodes = {cluster.node_of(key) for key in
-                 (keys.journal(run_id, task_id), keys.run_events(run_id), keys.run_seq(run_id))}
+                 (keys.journal(run_id, task_id), keys.run_events(run_id))}
         assert len(nodes) == 1
     tail = audit.tail(100)
     assert len(tail) == 12 and {e["phase"] for e in tail} >= {"intent", "outcome", "note"}
+    # The global copy is spread over shards (store/keys.py), a run's copies in
+    # its own: read back merged, each run's copies are in their order.
+    for run_id in runs:
+        assert [e["phase"] for e in tail if e["run_id"] == run_id] == [
+            "intent", "outcome", "note", "duplicate_ignored"]
+    client = audit.client
+    assert {stream for stream in keys.global_streams if client.xlen(stream)} == {
+        keys.global_stream(run_id) for run_id in runs}
+    assert not client.exists(keys.global_events)
 
 
 def test_a_worker_with_its_store_on_a_cluster(
@@ -227,13 +254,54 @@ def test_a_worker_with_its_store_on_a_cluster(
     assert main_redis.hexists(audit.keys.dead_letters("tools"), refused.id)
 
 
-def test_a_cluster_store_needs_a_redis_broker_and_its_own_url(
-    make_app: Callable[..., Celery],
-) -> None:
+def test_a_cluster_store_needs_its_own_url(make_app: Callable[..., Celery]) -> None:
+    """A broker that is not Redis is accepted (the dead letters are then kept in
+    the cluster: tests/test_cluster_rabbitmq.py); the store must be named."""
     app = make_app(broker_url="memory://", tooleffect_redis_cluster=True,
                    tooleffect_redis_url="redis://127.0.0.1:7000/0")
-    with pytest.raises(ConfigurationError, match="tooleffect_redis_cluster needs a Redis broker"):
-        AuditLog(app)
+    assert AuditLog(app).settings.dead_letter_endpoint.cluster
+    assert DeadLetters(app).keys.dead_letters_in_one_slot
     app = make_app(tooleffect_redis_cluster=True)
     with pytest.raises(ConfigurationError, match="needs tooleffect_redis_url"):
         AuditLog(app)
+
+
+def test_audit_tail_follows_every_shard_of_a_cluster(
+        cluster: Cluster, cluster_app: Celery, prefix: str) -> None:
+    """``audit tail --follow`` on a cluster store reads each shard of the
+    global copy (one ``XREAD`` cannot name several slots): an event of a run
+    on each node shows."""
+    from tests.test_cli import TESTS, subprocess_env
+
+    env = {**subprocess_env(prefix), "TE_STORE": cluster.url, "TE_STORE_CLUSTER": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery_tooleffect.admin.cli", "-A", "tests.apps.tool_app",
+         "audit", "tail", "--follow", "--count", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        cwd=str(TESTS.parent))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")),
+                              daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    audit = AuditLog(cluster_app)
+    runs = runs_copied_to_every_node(cluster, audit.keys)
+    try:
+        wait_for(lambda: lines, timeout=30, what="the tail's header")
+        for _ in range(50):  # until the follower has read every shard once
+            for run_id in runs:
+                assert audit.record_step(AuditEvent.of(
+                    run_id=run_id, task_id="t", tool="x", effect="read_only", phase="note",
+                    status="seen", worker="test:1", queue="tools"))
+            if all(any(run_id in line for line in lines) for run_id in runs):
+                break
+            time.sleep(0.2)
+        wait_for(lambda: all(any(run_id in line for line in lines) for run_id in runs),
+                 timeout=10, what="an event of every run")
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert code == 0, process.stderr.read() if process.stderr else ""

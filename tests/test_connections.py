@@ -7,7 +7,8 @@ import redis
 from redis.connection import PythonRespSerializer
 from redis.exceptions import DataError, ResponseError
 
-from celery_tooleffect.store.connections import one_round_trip, pack, redis_client
+from celery_tooleffect.store import connections
+from celery_tooleffect.store.connections import one_round_trip, pack, pack_python, redis_client
 from tests.conftest import REDIS_URL
 
 
@@ -21,6 +22,30 @@ def test_pack_writes_what_redis_py_writes_for_text_bytes_and_numbers() -> None:
     # A command name with a space goes as two words, as redis-py sends it.
     assert pack([("CONFIG GET", "maxmemory")]) == pack([("CONFIG", "GET", "maxmemory")])
     assert pack([("SET", "k", memoryview(b"v"))]) == pack([("SET", "k", b"v")])
+
+
+def test_hiredis_packs_the_same_bytes_and_leaves_it_what_it_refuses() -> None:
+    """The C packer (the suite runs with hiredis) writes what the Python one
+    does, numbers included; text that is not UTF-8, a str subclass, a
+    bytearray or a spaced name go through Python, in one buffer."""
+    assert connections.c_pack is not None
+
+    class Name(str):
+        pass
+
+    commands = [
+        ("EVALSHA", "a" * 40, 2, "k1", "k2", 0, -7, 2**70, 0.1, 1e-07, 1.0 / 3, -0.0, 1e22,
+         b"\x00\xff", "caf\u00e9", ""),
+        ("XADD", "s", "MAXLEN", "~", 1000, "*", "f", "v"),
+    ]
+    assert pack(commands) == pack_python(commands)
+    c_pack = connections.c_pack
+    assert pack(commands) == b"".join(c_pack(command) for command in commands)
+    for odd in ("k\ud800", Name("n"), bytearray(b"b"), memoryview(b"m")):
+        mixed = [*commands, ("SET", "k", odd)]
+        assert pack(mixed) == pack_python(mixed)
+    spaced = [("PING",), ("CONFIG GET", "maxmemory")]
+    assert pack(spaced) == pack_python(spaced) == pack([("PING",), ("CONFIG", "GET", "maxmemory")])
 
 
 def test_every_command_of_the_package_clients_is_packed_by_pack(prefix: str) -> None:

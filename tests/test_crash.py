@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from chaos.crash_test import run
-from tests.support import TEST_FETCH
+from chaos.crash_test import run, split_url
+from tests.support import REDIS_URL, TEST_FETCH
 
 #: The seed of each broker's short run (fixed: a failure can be run again).
 SEEDS = {"redis": 20261202, "amqp": 20261203}
@@ -36,6 +36,25 @@ def test_random_sigkills_never_run_a_non_idempotent_write_twice_nor_lose_a_task(
         assert summary.fetch == ("atomic" if broker_url.startswith("redis") else "amqp")
         assert summary.lost == 0, summary.problems
         assert summary.lost_in_transport == 0
+    assert summary.duplicates == 0, summary.problems
+    assert summary.problems == []
+    assert summary.kills == 10
+    assert sum(summary.executions.values()) >= summary.tasks
+
+
+@pytest.mark.timeout(400)
+def test_random_sigkills_lose_nothing_with_results_and_store_in_another_database() -> None:
+    """Celery's split deployment: the broker in one database, results and store
+    in another of the same server. The outcome's script selects the broker's
+    database to acknowledge and the backend's to store the result: a worker
+    killed anywhere between the steps still loses nothing and runs no
+    non-idempotent write twice."""
+    summary = run(kills=10, tasks=60, seed=20261205, broker_url=REDIS_URL, fetch="atomic",
+                  store_url=split_url(REDIS_URL))
+    print(summary.line())
+    assert summary.fetch == "atomic"
+    assert summary.lost == 0, summary.problems
+    assert summary.lost_in_transport == 0
     assert summary.duplicates == 0, summary.problems
     assert summary.problems == []
     assert summary.kills == 10

@@ -19,8 +19,9 @@ from celery import Celery
 
 from celery_tooleffect import DeadLetter, DeadLetters, ToolEffect, ToolTask
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
+from celery_tooleffect.admin.operations.rules import letter_run_id
 from celery_tooleffect.settings import settings_for
-from celery_tooleffect.store.dead_letters import DeadLetterQuery
+from celery_tooleffect.store.dead_letter_queries import DeadLetterQuery
 from celery_tooleffect.store.keys import Keys
 from tests import test_flower as base
 from tests.conftest import Counter, WorkerProcess, running_worker, wait_for
@@ -144,14 +145,23 @@ def test_a_resolved_letter_leaves_nothing_longer_than_the_retention(
     # rollback watch's mark of each worker process (docs/redis.md#rollbacks).
     not_the_letters = (f"{prefix}count:", f"{prefix}fixed:", f"{prefix}_kombu.binding",
                        f"{settings.key_prefix}events", f"{settings.key_prefix}store:")
+    # The unresolved write's journal entry lives as long as its letter (DESIGN
+    # §7): a copy of its message that comes back after the retention still
+    # finds it dead-lettered, and its replay still sees how it ended.
+    kept_journal = keys.journal(letter_run_id(kept), kept.task_id)
+    assert ttls[kept_journal] == -1
+    assert main_redis.hget(kept_journal, "state") == b"dead_lettered"
     left = {key: ttl for key, ttl in ttls.items()
-            if key not in dead_letter_keys and not key.startswith(not_the_letters)}
+            if key not in dead_letter_keys | {kept_journal}
+            and not key.startswith(not_the_letters)}
     assert left, "the runs' journal and streams are there"
     assert {key: ttl for key, ttl in left.items() if not 0 < ttl <= RETENTION} == {}
-    # The replayed and the purged letters' journal entries are among them.
+    # The replayed and the purged letters' journal entries are among them: the
+    # purge gave the purged write's entry its TTL back.
     journal_keys = [key for key in left if any(
         letter.task_id in key for letter in (read, idem, purged))]
     assert journal_keys, sorted(left)
+    assert keys.journal(letter_run_id(purged), purged.task_id) in left
 
 
 def test_a_worker_warns_at_start_about_unresolved_letters_past_a_threshold(

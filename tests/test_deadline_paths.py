@@ -722,7 +722,9 @@ def test_a_lease_the_broker_cannot_extend_is_audited_and_the_message_kept(
     wait_for(lambda: ("lease_refused", "unavailable") in scene.events(call.id),
              what="the refused lease's audit event")
     assert said(scene, call.id, "broker lease unavailable before the write began (audited)")
-    assert said(scene, call.id, "not published, requeueing")
+    # The retry's publish is tried, and refused, after the event is stored.
+    wait_for(lambda: said(scene, call.id, "not published, requeueing"),
+             what="the log line of the retry the broker refused")
     wait_for(lambda: worker.process.poll() is not None, timeout=60,
              what="Celery to stop the worker whose requeue the broker refused")
     assert "Unrecoverable error" in worker.output()

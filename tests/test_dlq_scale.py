@@ -18,14 +18,20 @@ import time
 import uuid
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 
 from bench.store_scale import fill_dead_letters, varied_letters
-from celery_tooleffect.store.dead_letters import DeadLetterQuery, DeadLetters
+from celery_tooleffect.store.dead_letter_queries import DeadLetterQuery
+from celery_tooleffect.store.dead_letters import DeadLetters
 from tests.conftest import TESTS, RedisServer, app_config
 
 N = 100_000
+
+#: Filling 100,000 letters and timing the CLI three times a command takes
+#: about 40 s alone and passed pytest's default 120 s beside a loaded suite.
+pytestmark = pytest.mark.timeout(300)
 
 
 def commands(client: redis.Redis) -> int:

@@ -36,6 +36,7 @@ from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.states import Verdict
 from celery_tooleffect.testing import redis_server
 from celery_tooleffect.worker.startup import run_checks
+from tests.support import run_fields
 
 WRITE = "non_idempotent_write"
 
@@ -76,7 +77,7 @@ def test_a_store_restarted_from_an_older_snapshot_is_found_rolled_back(
         journal = runtime_for(app).journal.read(JournalRef("d", "d"))
         assert (journal["state"], journal["interrupted_by"]) == ("interrupted",
                                                                  "store_rolled_back")
-        events = [e for _, e in server.client().xrange(keys.run_events("d"))]
+        events = run_fields(server.client(), keys.run_events("d"))
         assert [(e[b"phase"], e[b"status"]) for e in events] == [
             (b"interrupted", b"store_rolled_back")]
 

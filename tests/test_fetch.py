@@ -1,4 +1,4 @@
-"""The atomic fetch on Redis (celery_tooleffect/store/transport.py, fetch.lua),
+"""The atomic fetch on Redis (celery_tooleffect/worker/transport*.py, fetch.lua),
 with real processes: a redis-server of each test's own (or of this module's,
 for the ``celery worker``), kombu connections and a real worker.
 
@@ -31,15 +31,9 @@ from kombu import Connection, Consumer, Exchange, Message, Producer, Queue
 from kombu.transport import redis as kombu_redis
 
 from celery_tooleffect import ToolTask
-from celery_tooleffect.store.dead_letters import DeadLetter, DeadLetterReason, DeadLetters
+from celery_tooleffect.store.dead_letter_record import DeadLetter
+from celery_tooleffect.store.dead_letters import DeadLetterReason, DeadLetters
 from celery_tooleffect.store.lua import script
-from celery_tooleffect.store.transport import (
-    REFUSED_RETRY,
-    UNREADABLE,
-    AtomicFetch,
-    SentinelTransport,
-    Transport,
-)
 from celery_tooleffect.testing import (
     RedisServer,
     WorkerProcess,
@@ -48,6 +42,9 @@ from celery_tooleffect.testing import (
     wait_for,
 )
 from celery_tooleffect.worker.fetch import uses_atomic_fetch
+from celery_tooleffect.worker.transport import AtomicFetch, SentinelTransport, Transport
+from celery_tooleffect.worker.transport_unreadable import UNREADABLE
+from celery_tooleffect.worker.transport_waits import REFUSED_RETRY
 from tests.support import Monitor, TcpProxy, app_config
 from tests.topologies import MASTER, sentinel_set
 
@@ -774,6 +771,36 @@ def test_a_fetch_whose_reply_is_lost_leaves_the_message_for_kombus_restore(
         [message] = consume(connection, ["tools"], 1)
     assert message.delivery_tag == tag and message.payload == {"call": 5}
     assert broker.empty("tools")
+
+
+def test_a_channel_whose_connection_is_lost_with_a_fetch_in_flight_still_closes(
+    server: RedisServer,
+) -> None:
+    """kombu's channel close reads a fetch still in flight first; with the
+    server gone that read raises, and kombu's close stopped there: the channel
+    stayed open, its clients and waits kept, and the next close (Celery 5.7's
+    consumer closes its connection after ``collect()`` cleared the transport's
+    ``client``) restored the held messages through a client it could no longer
+    build, raising AttributeError, which stopped a worker whose Redis
+    restarted under load. The close runs to its end."""
+    publish(server.url, [("tools", {"call": n}, {}) for n in range(2)])
+    connection = connect(server.url)
+    held: list[Message] = []
+    consumer = Consumer(connection.default_channel, [queue("tools")], on_message=held.append)
+    consumer.consume()
+    drain_until(connection, lambda: bool(held), timeout=10)
+    channel = atomic_channel(consumer)
+    channel._brpop_start()  # the next fetch, sent and not read
+    assert channel._in_poll is not None
+    server.kill()
+    # The held message cannot be restored now (kombu's restore raises the
+    # connection error); it stays in unacked for the restore after the
+    # visibility timeout, as with kombu's own fetch.
+    with suppress(redis.ConnectionError):
+        channel.close()
+    assert channel.closed and channel._in_poll is None and not channel._waits
+    connection.collect(socket_timeout=1)
+    connection.close()
 
 
 # -- 7. no_ack and basic_get -----------------------------------------------------------

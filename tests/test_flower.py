@@ -4,8 +4,8 @@
 free loopback port; an in-process worker (same broker and key prefix) makes
 real dead letters and runs what the page replays. The browser test is skipped,
 with the reason, only when no Chromium and chromedriver are installed
-(``.ci/run`` installs Debian's ``chromium`` and ``chromium-driver``). The API
-and authentication tests need no browser.
+(``scripts/services.sh`` installs Debian's ``chromium`` and
+``chromium-driver``). The API and authentication tests need no browser.
 
 Set ``TOOLEFFECT_SCREENSHOT=docs/dead-letters.png`` to refresh the README's
 screenshot from the browser test.
@@ -149,8 +149,9 @@ def succeeded(app: Celery, task_id: str) -> None:
 @pytest.fixture
 def browser() -> Iterator[Any]:
     if CHROMIUM is None or CHROMEDRIVER is None:
-        pytest.skip("no Chromium here: install Debian's chromium and chromium-driver "
-                    "(.ci/run does) to run the browser test")
+        pytest.skip("no Chromium or chromedriver here: install Debian's chromium and "
+                    "chromium-driver (scripts/services.sh does, as root) to run the browser "
+                    "test")
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service

@@ -47,7 +47,7 @@ from celery_tooleffect.admin.flower.metrics import (
     export_store_gauges,
 )
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
-from celery_tooleffect.store.dead_letters import DeadLetterCount
+from celery_tooleffect.store.dead_letter_queries import DeadLetterCount
 from celery_tooleffect.testing import free_port
 from tests import test_flower as base
 from tests.conftest import REDIS_URL, TESTS, wait_for

@@ -29,10 +29,12 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from celery_tooleffect import AuditLog, ToolEffect, ToolTask
-from celery_tooleffect.failures import FailureClass, FailureClassifier, NoSideEffect
+from celery_tooleffect.errors import NoSideEffect
+from celery_tooleffect.failures import FailureClass, FailureClassifier
 from celery_tooleffect.identity import call_digest
 from celery_tooleffect.store.audit import describe_payload
-from celery_tooleffect.store.dead_letters import DeadLetter, DeadLetters, conflict_letter_id
+from celery_tooleffect.store.dead_letter_record import DeadLetter, conflict_letter_id
+from celery_tooleffect.store.dead_letters import DeadLetters
 from celery_tooleffect.store.keys import Keys, hash_tag
 from tests.conftest import Counter, running_worker, wait_for
 from tests.test_bad_messages import broker_is_empty, publish
@@ -93,7 +95,7 @@ def test_all_keys_of_a_run_share_one_hash_slot(prefix: str, run_id: str, task_id
     """
     assume("{" not in prefix or not prefix.split("{", 1)[1].startswith("}"))
     keys = Keys(prefix)
-    names = [keys.journal(run_id, task_id), keys.run_events(run_id), keys.run_seq(run_id)]
+    names = [keys.journal(run_id, task_id), keys.run_events(run_id)]
     slots = {key_slot(name.encode("utf-8", "backslashreplace")) for name in names}
     assert len(slots) == 1
 

@@ -164,7 +164,7 @@ def test_reconcile_is_declared_by_option_decorator_or_method(
     make_app: Callable[..., Celery],
 ) -> None:
     from celery_tooleffect import Reconciliation, ToolDeclarationError
-    from celery_tooleffect.worker.execution import reconciler
+    from celery_tooleffect.actions.reconciling import reconciler_of
 
     app = make_app()
 
@@ -189,12 +189,12 @@ def test_reconcile_is_declared_by_option_decorator_or_method(
 
     by_method = app.task(base=ByMethod, name="ids.by_method", shared=False)(body)
     for tool in (by_option, by_decorator, by_method):
-        check = reconciler(tool)
+        check = reconciler_of(tool)
         assert check is not None
         assert check("k") == Reconciliation.applied(f"{tool.name}:k", evidence="found")
     with pytest.raises(ToolDeclarationError, match="already"):
         by_decorator.reconciler(found)
     read = app.task(base=ToolTask, name="ids.read_only", shared=False)(body)
-    assert reconciler(read) is None
+    assert reconciler_of(read) is None
     with pytest.raises(ToolDeclarationError, match="nothing to reconcile"):
         read.reconciler(found)

@@ -31,8 +31,9 @@ from celery_tooleffect import (
     call_task_id,
 )
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
-from celery_tooleffect.identity import call_digest, child_task_id, publish_digest
-from celery_tooleffect.store.dead_letters import DeadLetterReason, conflict_letter_id
+from celery_tooleffect.identity import CALLER_HEADER, call_digest, child_task_id, publish_digest
+from celery_tooleffect.store.dead_letter_record import conflict_letter_id
+from celery_tooleffect.store.dead_letters import DeadLetterReason
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.worker.attempt import idempotency_key
@@ -209,6 +210,24 @@ def test_children_run_once_when_their_parent_retries(
     # The two later publishes of the queued child were acknowledged without running.
     wait_for(lambda: events_of(app, result.id, queued_id).count(
         ("duplicate_ignored", "succeeded")) == 2, what="the queued child's repeats")
+
+
+def test_the_caller_of_a_call_is_in_every_event_of_its_children_and_retries(
+    app: Celery, start: Callable[..., WorkerProcess], client: redis.Redis, prefix: str,
+) -> None:
+    """``tooleffect_caller`` (set by the MCP server): every event of the call,
+    of its retry and of each tool its body calls (directly, ``.apply()``,
+    ``.delay()``) records it."""
+    start()
+    caller = '{"auth":"oauth","sub":"alice"}'
+    result = app.tasks["ident.parent"].apply_async(("who", 1), headers={CALLER_HEADER: caller})
+    _, _, queued_id = result.get(timeout=60)
+    wait_for(lambda: app.AsyncResult(queued_id).state == "SUCCESS", what="the queued child")
+    events = runtime_for(app).audit.events(result.id)
+    tasks = {event.task_id for event in events}
+    assert len(tasks) == 4, tasks  # the parent and its three children
+    assert {event.details.get("caller") for event in events} == {caller}
+    assert ("outcome", "retrying") in [(event.phase, event.status) for event in events]
 
 
 def test_children_run_once_when_their_parent_is_redelivered_after_sigkill(

@@ -6,7 +6,7 @@ A real ``celery -A tests.apps.tool_app worker`` (``spawn_worker``) parks and
 runs the calls; Flower is ``celery -A tests.apps.tool_app tooleffect flower``
 (tests/test_flower.py's fixture). Set ``TOOLEFFECT_SCREENSHOT=docs/dead-letters.png``
 to refresh the docs' screenshots: the browser test writes ``approval-arguments.png``
-and ``run.png`` beside it.
+and ``bulk-replay.png`` beside it (``run.png``: tests/agents/test_run_page.py).
 """
 
 from __future__ import annotations
@@ -430,7 +430,6 @@ def test_the_approval_run_and_bulk_pages_in_a_real_browser(
     assert [row.get_attribute("data-state") for row in rows] == ["succeeded"]
     assert "tools.pay" in rows[0].text and "approval approved" in rows[0].text
     assert len(browser.find_elements(By.CSS_SELECTOR, "#run-timeline rect.timeline-span")) == 1
-    _screenshot(browser, "run.png")
     click(browser, "a.call-link")
     wait_css(browser, "#ap-state")
     assert browser.current_url.endswith(f"/approvals/{pay.id}")

@@ -185,4 +185,7 @@ def test_redacted_and_full_listings(
         assert summary["args"] == json.dumps([SECRET, -1], separators=(",", ":"))
         assert SECRET in summary["error"]
         assert SECRET in failed["error"]
-        assert f"{prefix}te:events" in holding  # the audit log holds it verbatim
+        # The audit log holds it verbatim: the run's events; the global
+        # stream's copy keeps only what `audit tail` shows, never a payload.
+        assert f"{prefix}te:{{{refused.id}}}:events" in holding
+        assert f"{prefix}te:events" not in holding

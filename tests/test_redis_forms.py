@@ -35,6 +35,7 @@ from celery_tooleffect.settings import settings_for
 from celery_tooleffect.store.keys import Keys
 from celery_tooleffect.testing import free_port, redis_server
 from tests.conftest import REDIS_URL, TESTS, app_config, start_celery_worker, wait_for
+from tests.support import run_fields
 from tests.topologies import MASTER, certificates, sentinel_set
 
 
@@ -153,7 +154,7 @@ def test_a_worker_on_each_form_journals_on_the_brokers_server(
 
 
 def _phases(client: redis.Redis, stream: str) -> list[bytes]:
-    return [fields[b"phase"] for _, fields in client.xrange(stream)]
+    return [fields[b"phase"] for fields in run_fields(client, stream)]
 
 
 # -- refused at start, in process ------------------------------------------------------

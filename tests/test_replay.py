@@ -21,7 +21,7 @@ from celery import Celery, chain, chord
 
 from celery_tooleffect import DeadLetters
 from celery_tooleffect.admin.operations import DeadLetterOperations, Outcome
-from celery_tooleffect.store.dead_letters import DeadLetter
+from celery_tooleffect.store.dead_letter_record import DeadLetter
 from celery_tooleffect.store.envelope import REPLAY_HEADER
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for

@@ -28,6 +28,7 @@ from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.servers import online_replicas
 from celery_tooleffect.testing import RedisServer, WorkerProcess, redis_server
 from tests.conftest import TESTS, app_config, start_celery_worker, wait_for
+from tests.support import run_fields
 from tests.topologies import MASTER, sentinel_set
 
 
@@ -91,8 +92,7 @@ def test_an_intent_no_replica_acknowledged_never_runs_its_body(
         letter = letters.get(frozen.id)
         assert letter is not None and letter.reason == "retries_exhausted", letter
         assert not (tmp_path / "runs" / "frozen").exists(), "a body ran over an unreplicated intent"
-        events = [fields for _, fields in primary.client().xrange(
-            Keys(f"{prefix}te:").run_events(frozen.id))]
+        events = run_fields(primary.client(), Keys(f"{prefix}te:").run_events(frozen.id))
         intents = [e for e in events if e[b"phase"] == b"intent"]
         failures = [e for e in events if e[b"phase"] == b"outcome"]
         # Every attempt recorded its intent, found it unreplicated and failed
@@ -115,7 +115,7 @@ WAITING = {"tooleffect_store_replicas": 1, "tooleffect_store_wait_timeout": 0.3,
 
 
 def _intents(server: RedisServer, prefix: str, task_id: str) -> int:
-    return sum(1 for _, fields in server.client().xrange(Keys(f"{prefix}te:").run_events(task_id))
+    return sum(1 for fields in run_fields(server.client(), Keys(f"{prefix}te:").run_events(task_id))
                if fields[b"phase"] == b"intent")
 
 

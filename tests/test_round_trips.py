@@ -48,7 +48,7 @@ HANDSHAKE = {"HELLO", "CLIENT", "PING", "AUTH", "SELECT", "MONITOR", "ECHO", "IN
 #: tools' bodies count (tests/apps/tool_app.py).
 UPKEEP = ("unacked_mutex", "_kombu.binding", "pidbox", "binding_deadlines", ":count:",
           ":started:")
-SCRIPTS = ("fetch", "append_event", "begin_attempt", "transition")
+SCRIPTS = ("fetch", "append_event", "begin_attempt", "transition", "extend_lease")
 
 
 def counted(monitor: Monitor) -> list[list[str]]:
@@ -104,25 +104,34 @@ def setup() -> Iterator[Setup]:
 
 
 def call_commands(setup: Setup, tmp_path: Path, name: str, *, fetch: str = "atomic",
-                  store: str | None = None) -> list[str]:
+                  store: str | None = None, results: str | None = None,
+                  monitored: list[Monitor] | None = None) -> list[str]:
     """The commands a worker sends for one successful call of ``name`` (after a
-    warm-up call), from its fetch to its acknowledgement."""
+    warm-up call), from its fetch to its acknowledgement. ``results``: the
+    result backend's URL when it is not the broker's; ``monitored`` receives
+    the MONITOR of the call."""
     env = {"TE_PREFIX": setup.prefix, "TE_BROKER": setup.server.url,
            "TE_COUNTERS": setup.server.url, "TOOLEFFECT_TEST_FETCH": fetch,
-           **({"TE_STORE": store} if store else {})}
+           **({"TE_STORE": store} if store else {}),
+           **({"TE_RESULTS": results} if results else {})}
+    poller = (redis.Redis.from_url(results, single_connection_client=True) if results
+              else setup.poller)
     worker = start_celery_worker("tests.apps.tool_app", tmp_path / "worker.log", env=env,
                                  root=ROOT)
     try:
-        call(setup, name)  # warm-up: connections, scripts loaded, queue declared
+        call(setup, name, poller)  # warm-up: connections, scripts loaded, queue declared
         with Monitor(setup.server.client()) as monitor:
-            monitor.ignored.add(setup.poller.client_info()["addr"])
+            monitor.ignored.add(str(poller.client_info()["addr"]))
+            monitor.ignored.add(str(setup.poller.client_info()["addr"]))
             wait_for(lambda: idle(monitor), timeout=10, what="the worker to wait for work")
             before = len(counted(monitor))
-            call(setup, name)
+            call(setup, name, poller)
             # Until the worker fetches again after the call: its commands are complete.
             wait_for(lambda: sum(map(fetches, counted(monitor)[before:])) >= 2, timeout=10,
                      what=f"the worker to fetch again: {counted(monitor)[before:]}")
         sent = counted(monitor)[before:]
+        if monitored is not None:
+            monitored.append(monitor)
     finally:
         worker.stop()
     published = [i for i, words in enumerate(sent) if named(words) == "LPUSH"]
@@ -142,10 +151,13 @@ def idle(monitor: Monitor) -> bool:
     return any(words[0].upper() in ("BLMOVE", "BRPOP") for words in counted(monitor))
 
 
-def call(setup: Setup, name: str) -> None:
+def call(setup: Setup, name: str, poller: redis.Redis | None = None) -> None:
+    """Send one call of ``name``; wait for its result (on ``poller``: the
+    result backend's database, the broker's by default)."""
+    poller = poller or setup.poller
     result = setup.app.send_task(name, args=[uuid.uuid4().hex[:8], 0.0], queue="tools")
     key = f"{setup.prefix}celery-task-meta-{result.id}"
-    wait_for(lambda: b'"SUCCESS"' in (setup.poller.get(key) or b""), timeout=20,
+    wait_for(lambda: b'"SUCCESS"' in (poller.get(key) or b""), timeout=20,
              what=f"{name} to succeed")
 
 
@@ -198,6 +210,72 @@ def test_with_the_store_on_another_redis_the_main_process_acknowledges(
             "fetch", *CELERY_RESULT, *ACK]
 
 
+def in_database(monitor: Monitor, names: tuple[str, ...]) -> dict[str, set[int]]:
+    """In which databases the commands ``names`` ran: what clients sent, and
+    what scripts ran (MONITOR reports those as the ``lua`` client, in the
+    database the script selected)."""
+    where: dict[str, set[int]] = {}
+    for command in monitor.received:
+        words = command["command"].split(" ")
+        name = named(words) if command.get("client_type") != "lua" else words[0].upper()
+        if name in names and not any(mark in word for word in words[1:3] for mark in UPKEEP):
+            where.setdefault(name, set()).add(int(command["db"]))
+    return where
+
+
+@pytest.mark.parametrize(("name", "expected", "script_name"), [
+    ("tools.read", ["fetch", "append_event", "XADD"], "append_event"),
+    ("tools.idempotent", ["fetch", "begin_attempt", "transition", "XADD", "XADD"],
+     "transition"),
+    ("tools.write", ["fetch", "begin_attempt", "transition", "XADD", "XADD"], "transition"),
+    # The deadline's broker lease rides in the intent's script, which selects
+    # the broker's database for it.
+    ("tools.write_deadline", ["fetch", "begin_attempt", "transition", "XADD", "XADD"],
+     "transition"),
+])
+def test_one_server_several_databases_still_folds_the_result_and_the_ack(
+    setup: Setup, tmp_path: Path, name: str, expected: list[str], script_name: str,
+) -> None:
+    """Celery's documented pattern: the broker in database 0, results and store
+    in database 1 of the same server. The outcome's script (run in database 1)
+    selects database 1 for Celery's result and database 0 for the
+    acknowledgement (a script's SELECT is its own); the worker's main process
+    sends no ZREM/HDEL and Celery no result of its own."""
+    results = setup.server.url[:-1] + "1"
+    monitored: list[Monitor] = []
+    assert call_commands(setup, tmp_path, name, results=results, store=results,
+                         monitored=monitored) == expected
+    where = in_database(monitored[0], ("fetch", script_name, "ZREM", "HDEL", "SET",
+                                       "PUBLISH", "SETEX", "XADD"))
+    # The fetch in the broker's database, the outcome script in the store's;
+    # inside it, the result in the backend's and the acknowledgement in the
+    # broker's.
+    assert where["fetch"] == {0}
+    assert where[script_name] == {1}
+    assert where["ZREM"] == where["HDEL"] == {0}
+    assert where["SET"] == where["PUBLISH"] == {1}
+    assert "SETEX" not in where
+    # The global copies pipelined after the script on its connection (and the
+    # run's events inside it) went to the store's database: the script's
+    # SELECTs left the connection where it was.
+    assert where["XADD"] == {1}
+    # A deadline's lease: raised by the intent's script (ZADD XX GT) in kombu's
+    # unacked index, in the broker's database.
+    leases = {int(command["db"]) for command in monitored[0].received
+              if command.get("client_type") == "lua"
+              and command["command"].split(" ")[0].upper() == "ZADD"
+              and command["command"].split(" ")[2:4] == ["XX", "GT"]}
+    assert leases == ({0} if name == "tools.write_deadline" else set())
+
+
+def test_one_server_several_databases_plain_celery_is_unchanged(
+    setup: Setup, tmp_path: Path,
+) -> None:
+    results = setup.server.url[:-1] + "1"
+    assert call_commands(setup, tmp_path, "tools.plain", results=results, store=results) == [
+        "fetch", *CELERY_RESULT, *ACK]
+
+
 #: The commands that end a call on a threads pool: the script that records the
 #: outcome and acknowledges the message (folded), or kombu's own ZREM.
 ENDINGS = {"tools.read": "append_event", "tools.write": "transition", "tools.plain": "ZREM"}
@@ -220,7 +298,7 @@ def test_on_the_threads_pool_the_next_fetch_follows_an_acknowledgement(
     try:
         call(setup, name)  # warm-up: connections, scripts loaded, queue declared
         with Monitor(setup.server.client()) as monitor:
-            monitor.ignored.add(setup.poller.client_info()["addr"])
+            monitor.ignored.add(str(setup.poller.client_info()["addr"]))
             keys = [uuid.uuid4().hex[:8] for _ in range(calls)]
             ids = [setup.app.send_task(name, args=[key, 0.0], queue="tools").id
                    for key in keys]

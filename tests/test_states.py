@@ -118,9 +118,9 @@ def test_approval_scripts_take_their_states_as_arguments() -> None:
         # No state is spelled in the code but 'absent' (no record): the
         # states come from states.py as arguments, or from the record itself.
         assert set(re.findall(r"'([a-z_]+)'", code)) <= {
-            "absent", "state", "ok", "exists", "refused", "HGET", "HSET", "EXPIRE",
+            "absent", "state", "ok", "exists", "adopted", "refused", "message",
         } | {word for word in re.findall(r"'([A-Z]+)'", code)}, name
-    assert states.approval_argument(states.DECIDE_FROM) == "pending"
+    assert states.approval_argument(states.DECIDE_FROM) == "pending user_approved"
     assert states.approval_argument(states.END_REFUSED_FROM) == "expired rejected"
 
 
@@ -133,9 +133,10 @@ def test_every_approval_state_is_reachable_and_drawn_in_the_diagram() -> None:
 
 
 def test_a_decision_is_taken_once() -> None:
-    deciding = {target for target, sources in states.APPROVAL_TRANSITIONS.items()
-                if sources == states.DECIDE_FROM}
-    assert deciding == {states.ApprovalState.APPROVED, states.ApprovalState.REJECTED,
-                        states.ApprovalState.EXPIRED}
-    assert {states.ApprovalState.PENDING} == states.DECIDE_FROM
-    assert not states.REFUSED & {states.ApprovalState.APPROVED, states.ApprovalState.PENDING}
+    A = states.ApprovalState
+    decided = {A.APPROVED, A.REJECTED, A.EXPIRED, A.ENDED}
+    # Only a call waiting for a decision is decided; no decided call is again.
+    for target in (A.USER_APPROVED, A.APPROVED, A.REJECTED, A.EXPIRED):
+        assert not states.APPROVAL_TRANSITIONS[target] & decided, target
+    assert {A.PENDING, A.USER_APPROVED} == states.DECIDE_FROM
+    assert not states.REFUSED & {A.APPROVED, A.PENDING, A.USER_APPROVED}

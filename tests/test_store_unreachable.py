@@ -60,6 +60,7 @@ COMMANDS = [
     ["approvals", "stats"], ["approvals", "stats", "--json"],
     ["audit", "show", "{run}"], ["audit", "show", "{run}", "--json"],
     ["audit", "verify", "{run}"], ["audit", "verify", "--all", "--json"],
+    ["audit", "head", "{run}"], ["audit", "head", "{run}", "--json"],
     ["audit", "tail"], ["audit", "tail", "--json"],
     ["runs", "show", "{run}"], ["runs", "show", "{run}", "--json"],
     ["tools"], ["tools", "--json"],

@@ -4,27 +4,24 @@ The same operations back ``celery tooleffect approvals ...`` and the Flower
 Approvals page. Each decision is taken once, atomically with its audit event
 (who, when, why), then the call's kept message is published again: an
 approved call runs under the normal rules, a rejected one ends FAILURE with
-``ApprovalRejected`` on the worker that receives it (see
-:mod:`celery_tooleffect.worker.approvals`). Reading a list or the counts also
-expires the calls nobody decided within ``tooleffect_approval_timeout``, as
-the workers' sweep does, so an operator never sees an overdue call as pending.
+``ApprovalRejected`` on the worker that receives it (the worker's approval
+gate; the decisions themselves are :mod:`celery_tooleffect.actions.approving`).
+Reading a list or the counts also expires the calls nobody decided within
+``tooleffect_approval_timeout``, as the workers' sweep does, so an operator
+never sees an overdue call as pending.
 """
 
 from __future__ import annotations
 
 import builtins
-import hashlib
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..states import ApprovalState
+from ..actions.approving import decide_approval, expire_overdue_approvals, shown_details
+from ..actions.showing import Shown, show_call
+from ..states import ApprovalState, Approver
 from ..store.approvals import DECISIONS, Approval
-from ..store.audit import FULL_VALUE_LIMIT
-from ..store.envelope import shown as json_safe
 from ..store.runtime import runtime_for
-from ..worker.approvals import decide, expire_overdue
 from .operations.results import ActionResult, Outcome, default_actor
 from .operations.stores import STORE_ERRORS
 from .visible import invisible
@@ -68,34 +65,18 @@ class ApprovalListing:
 
 
 @dataclass(frozen=True)
-class ShownArguments:
-    """What the people who decide are shown of a call's arguments: decoded
-    from its kept message with the app's ``accept_content`` (as a dead
-    letter's page does; nothing of it is run), or, when the tool declares an
-    ``approval_view``, what that view returns (a card number masked, say).
-    When nothing can be shown, ``problem`` says why, and the call can still
-    be decided."""
-
-    #: Positional and keyword arguments, JSON-safe (None: not shown).
-    args: list[Any] | None = None
-    kwargs: dict[str, Any] | None = None
-    #: What the tool's ``approval_view`` returned, instead of the arguments.
-    view: dict[str, Any] | None = None
-    #: Why nothing is shown (a body the accepted serializers cannot decode,
-    #: an ``approval_view`` that raised, a tool this app does not know).
-    problem: str = ""
-
-    @property
-    def digest(self) -> str:
-        """SHA-256 of what is shown (canonical JSON): audited with the decision."""
-        return hashlib.sha256(_canonical(self._shown()).encode("utf-8")).hexdigest()
+class ShownArguments(Shown):
+    """What the people who decide are shown of a call's arguments
+    (:class:`~celery_tooleffect.actions.showing.Shown`): decoded from its kept
+    message with the app's ``accept_content`` (as a dead letter's page does;
+    nothing of it is run), and what the pages and the CLI add to it."""
 
     @property
     def invisible(self) -> list[str]:
         """The invisible or text-reordering characters in what is shown
         (``["U+202E RIGHT-TO-LEFT OVERRIDE"]``): the pages and the CLI show
         them escaped and warn of them (:mod:`..visible`)."""
-        return invisible(self._shown())
+        return invisible(self.values())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: ``approvals show --json``'s ``shown`` and the API's. The
@@ -108,21 +89,7 @@ class ShownArguments:
     def audit_details(self, privacy: str) -> dict[str, str]:
         """What the decision's audit event records of it: the digest (and the
         values themselves at privacy ``full``)."""
-        details = {"shown_digest": self.digest}
-        if self.problem:
-            details["shown_problem"] = self.problem[:500]
-        if privacy == "full":
-            details["shown"] = _canonical(self._shown())[:FULL_VALUE_LIMIT]
-        return details
-
-    def _shown(self) -> dict[str, Any]:
-        if self.view is not None:
-            return {"view": self.view}
-        return {"args": self.args, "kwargs": self.kwargs, "problem": self.problem or None}
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return shown_details(self, privacy)
 
 
 class Approvals:
@@ -195,22 +162,13 @@ class Approvals:
                 problem=f"the arguments cannot be decoded with this app's accept_content "
                         f"({type(exc).__name__}: {exc}); nothing of them is shown")
         task = self._tasks().get(approval.name)
-        view = getattr(type(task), "approval_view", None) if task is not None else None
         if task is None:
             return ShownArguments(
                 problem=f"{approval.name} is no task of this app, so its approval_view (if "
                         "it has one) cannot be applied: the arguments are hidden")
-        if view is None:
-            return ShownArguments(args=json_safe(args), kwargs=json_safe(kwargs))
-        try:
-            shown = view(task, *args, **kwargs)
-            if not isinstance(shown, Mapping):
-                raise TypeError(f"it returned {type(shown).__name__}, not a mapping")
-        except Exception as exc:
-            return ShownArguments(
-                problem=f"the tool's approval_view raised {type(exc).__name__}: {exc}; the "
-                        "arguments are hidden")
-        return ShownArguments(view=json_safe(dict(shown)))
+        shown = show_call(task, args, kwargs)
+        return ShownArguments(args=shown.args, kwargs=shown.kwargs, view=shown.view,
+                              problem=shown.problem)
 
     def stats(self) -> dict[str, Any]:
         """Pending calls by queue and tool: ``{"pending": n, "by_queue": {...},
@@ -253,7 +211,7 @@ class Approvals:
 
     def expire_overdue(self) -> builtins.list[Approval]:
         """Reject as expired the calls that waited past the timeout (see the module docs)."""
-        return expire_overdue(self.app)
+        return expire_overdue_approvals(self.app)
 
     def _decide(self, task_id: str, state: ApprovalState, *, by: str | None,
                 reason: str, via: str, seen: str | None = None) -> ActionResult:
@@ -264,10 +222,17 @@ class Approvals:
             if approval is None:
                 return ActionResult(task_id, verb, Outcome.NOT_FOUND,
                                     f"{task_id}: no call waits for approval under this id")
-            if approval.state is not ApprovalState.PENDING:
+            if (state is ApprovalState.APPROVED and approval.state is ApprovalState.PENDING
+                    and approval.approver == Approver.BOTH):
+                return ActionResult(
+                    task_id, verb, Outcome.REFUSED,
+                    f"{_label(approval)} waits for its user's approval first (its tool is "
+                    "approved by the agent's user, then an operator); nothing was decided",
+                    approval.name, approval.effect, approval.queue)
+            if approval.state not in (ApprovalState.PENDING, ApprovalState.USER_APPROVED):
                 # A decision whose message is not published yet is published
                 # now; the decision itself stands.
-                decide(self.app, approval, state, by=actor, reason=reason, via=via)
+                decide_approval(self.app, approval, state, by=actor, reason=reason, via=via)
                 return ActionResult(
                     task_id, verb, Outcome.REFUSED,
                     f"{_label(approval)} was decided already: {approval.state.value}"
@@ -281,8 +246,9 @@ class Approvals:
                     f"{_label(approval)}: what is shown of its arguments changed since it "
                     "was shown to you (another digest); look again, nothing was decided",
                     approval.name, approval.effect, approval.queue)
-            move = decide(self.app, approval, state, by=actor, reason=reason, via=via,
-                          shown=shown.audit_details(self.runtime.settings.privacy))
+            move = decide_approval(
+                self.app, approval, state, by=actor, reason=reason, via=via,
+                shown=shown.audit_details(self.runtime.settings.privacy))
         except STORE_ERRORS as exc:
             return ActionResult(task_id, verb, Outcome.FAILED, f"{task_id}: {exc}")
         except Exception as exc:  # publishing failed: the decision stands, listed

@@ -13,7 +13,7 @@ import re
 from ..effect import ToolEffect
 from ..failures import FailureClass
 from ..states import ApprovalState, DeadLetterReason
-from ..store.dead_letters import DeadLetterQuery
+from ..store.dead_letter_queries import DeadLetterQuery
 
 #: ``--dead-letter-reason`` / ``dead_letter_reason``: why a message became a dead letter.
 DEAD_LETTER_REASONS = DeadLetterReason.values()

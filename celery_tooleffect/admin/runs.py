@@ -5,8 +5,10 @@ tooleffect runs show`` and Flower's run page, and the timeline the page draws.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..store.runs import CallSummary, RunCalls, RunPage
 from ..store.runtime import runtime_for
@@ -41,7 +43,7 @@ class Bar:
 
 
 class Runs:
-    """The calls of an app's runs, as its audit streams tell them."""
+    """The calls of an app's runs, as their audit events tell them."""
 
     def __init__(self, app: Celery) -> None:
         self.app = app
@@ -88,4 +90,31 @@ def link_of(call: CallSummary) -> tuple[str, str]:
     return "task", call.task_id
 
 
-__all__ = ["PAGE_SIZE", "STATE_COLOURS", "Bar", "Runs", "link_of", "timeline"]
+def caller_label(caller: str) -> str:
+    """Who made a call, for a person: its ``tooleffect_caller`` header (the
+    JSON the MCP server sets) as a short text: an OAuth token's subject (or
+    client id) and issuer, ``static token``, ``stdio``, ``no token``; '—'
+    when the call names nobody, the text itself when it is not that JSON."""
+    if not caller:
+        return "—"
+    try:
+        named = json.loads(caller)
+    except ValueError:
+        return caller
+    if not isinstance(named, dict):
+        return caller
+    auth = named.get("auth")
+    if auth == "oauth":
+        who = named.get("sub") or named.get("client_id") or "?"
+        return f"{who} ({named['iss']})" if named.get("iss") else str(who)
+    return {"static-token": "static token", "stdio": "stdio", "none": "no token"}.get(
+        str(auth), caller)
+
+
+def caller_of_events(events: list[Mapping[str, Any]]) -> str:
+    """The caller the first of ``events`` that names one records ('' if none)."""
+    return next((str(event["caller"]) for event in events if event.get("caller")), "")
+
+
+__all__ = ["PAGE_SIZE", "STATE_COLOURS", "Bar", "Runs", "caller_label", "caller_of_events",
+           "link_of", "timeline"]

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from redis.cluster import RedisCluster
 
+from ..store.audit import newest_copies
+from ..store.chain import Element
 from ..store.keys import Keys
 from ..store.servers import address_of
 
@@ -28,8 +30,8 @@ if TYPE_CHECKING:
 
 #: The kinds of keys, in the order they are shown (docs/redis.md's key table).
 JOURNAL = "journal entries"
-RUN_STREAMS = "run streams"
-RUN_CHAINS = "run chains"
+#: A run's audit events, a list (its header holds the chain's head).
+RUN_STREAMS = "run events"
 GLOBAL_STREAM = "global stream"
 DEAD_LETTERS = "dead letters"
 APPROVALS = "approvals"
@@ -39,10 +41,10 @@ ROLLBACK_WATCH = "rollback watch"
 RESULTS = "celery results"
 OTHER_PACKAGE = "other keys of the package"
 NOT_THE_PACKAGES = "keys of others"
-KINDS = (JOURNAL, RUN_STREAMS, RUN_CHAINS, GLOBAL_STREAM, DEAD_LETTERS, APPROVALS, CLAIMS,
+KINDS = (JOURNAL, RUN_STREAMS, GLOBAL_STREAM, DEAD_LETTERS, APPROVALS, CLAIMS,
          DECLARATIONS, ROLLBACK_WATCH, RESULTS, OTHER_PACKAGE, NOT_THE_PACKAGES)
 #: The kinds a call leaves behind, each living the journal's retention.
-PER_CALL = (JOURNAL, RUN_STREAMS, RUN_CHAINS, CLAIMS)
+PER_CALL = (JOURNAL, RUN_STREAMS, CLAIMS)
 
 #: Defaults of the bounds (the CLI's ``--sample``, ``--runs``, ``--window``).
 SAMPLE_KEYS = 10_000
@@ -55,6 +57,11 @@ MIN_RATE_SPAN = 60.0
 RUN_EVENTS = 1_000
 
 
+#: How the dead-letter keys in the slot ``{dlq}`` of a cluster store go on.
+DLQ_TAILS = (":queue:", ":queues", ":where", ":index", ":by:", ":facets", ":counts",
+             ":replaying")
+
+
 def classify(key: str, prefix: str, results_prefix: str | None = None) -> str:
     """The kind of ``key`` (one of :data:`KINDS`), by its name alone."""
     if results_prefix and key.startswith(results_prefix):
@@ -65,19 +72,20 @@ def classify(key: str, prefix: str, results_prefix: str | None = None) -> str:
     if rest.startswith("{"):
         # A hash tag: escaped, so its first "}" closes it.
         tag, _, tail = rest[1:].partition("}")
-        if tag.startswith("dlq:"):
+        # ``{dlq:<queue>}``: a queue's dead letters; ``{dlq}``: every
+        # dead-letter key of a cluster store (store/keys.py). A run's own keys
+        # end otherwise (a run may be named "dlq").
+        if tag.startswith("dlq:") or (tag == "dlq" and tail.startswith(DLQ_TAILS)):
             return DEAD_LETTERS
         if tail.startswith(":journal:"):
             return JOURNAL
         if tail == ":events":
             return RUN_STREAMS
-        if tail == ":seq":
-            return RUN_CHAINS
         if tail.startswith(":approval:"):
             return APPROVALS
         return OTHER_PACKAGE
-    if rest == "events":
-        return GLOBAL_STREAM
+    if rest == "events" or (rest.startswith("events:{") and rest.endswith("}")):
+        return GLOBAL_STREAM  # one stream, or a cluster's shards (store/keys.py)
     for start, kind in (("dlq:", DEAD_LETTERS), ("approvals:", APPROVALS), ("call:{", CLAIMS),
                         ("workers:effects", DECLARATIONS), ("store:", ROLLBACK_WATCH)):
         if rest.startswith(start):
@@ -196,7 +204,7 @@ def measure_store(app: Celery, runtime: ToolRuntime, *, sample: int = SAMPLE_KEY
         raise ValueError("sample and window must be at least 1, runs at least 0")
     settings = runtime.settings
     client = runtime.audit.client
-    keys = Keys(settings.key_prefix)
+    keys = runtime.audit.keys
     prefix = settings.key_prefix
     results_prefix, result_expires, results_here = _results(app, runtime)
     memory = _memory(client)
@@ -220,11 +228,17 @@ def measure_store(app: Celery, runtime: ToolRuntime, *, sample: int = SAMPLE_KEY
     for size in kinds.values():
         size.keys = round(size.sampled * scale)
         size.bytes = round(size.sampled_bytes * scale)
-    # The global stream is one key: measured whether or not the sample met it.
-    global_bytes = int(client.memory_usage(keys.global_events) or 0)
-    global_events = int(client.xlen(keys.global_events) or 0)
-    kinds[GLOBAL_STREAM].keys, kinds[GLOBAL_STREAM].bytes = int(global_events > 0), global_bytes
-    letters = _dead_letters(runtime, keys)
+    # The global stream is one key (a cluster's: a few shards): measured
+    # whether or not the sample met it.
+    streams = keys.global_streams
+    global_bytes = sum(int(usage or 0) for usage in _pipelined(
+        client, [("MEMORY", "USAGE", stream) for stream in streams]))
+    lengths = [int(length or 0) for length in _pipelined(
+        client, [("XLEN", stream) for stream in streams])]
+    global_events = sum(lengths)
+    kinds[GLOBAL_STREAM].keys = sum(1 for length in lengths if length)
+    kinds[GLOBAL_STREAM].bytes = global_bytes
+    letters = _dead_letters(runtime, runtime.dead_letters.keys)
     if letters.in_the_store:
         kinds[DEAD_LETTERS].keys, kinds[DEAD_LETTERS].bytes = letters.keys, letters.bytes
     effects, results, events, calls = _per_effect(client, keys, [key for key, kind in named
@@ -404,20 +418,21 @@ def _per_effect(client: Any, keys: Keys, streams: list[str], app: Celery,
                 results_here: bool) -> tuple[dict[str, EffectSize], EffectSize, int, int]:
     """Bytes per call by effect, measured on the runs of ``streams``: a call's
     own keys (journal entry, approval, claim) plus its share of its run's
-    stream and chain; and Celery's results of those calls (when kept in the
+    events; and Celery's results of those calls (when kept in the
     store). Also the events and calls read."""
     effects: dict[str, EffectSize] = {}
     results = EffectSize(RESULTS)
     events = calls = 0
     if not streams:
         return effects, results, events, calls
-    entries = _pipelined(client, [("XRANGE", stream, "-", "+", "COUNT", RUN_EVENTS)
-                                  for stream in streams])
+    entries = _pipelined(client, [("LRANGE", stream, 1, RUN_EVENTS) for stream in streams])
     runs = []
     for stream, read in zip(streams, entries, strict=True):
         by_task: dict[str, str] = {}
-        for _, fields in read or []:
-            values = {_text(k): _text(v) for k, v in _pairs(fields)}
+        element: Element | None = None
+        for number, raw in enumerate(read or [], 1):
+            element = Element.parse(number, bytes(raw), element)
+            values = element.fields("")
             task = values.get("task_id", "")
             if task:
                 by_task.setdefault(task, values.get("effect", "") or "unknown")
@@ -429,7 +444,7 @@ def _per_effect(client: Any, keys: Keys, streams: list[str], app: Celery,
     commands: list[tuple[Any, ...]] = []
     for stream, by_task in runs:
         run = stream[: -len(":events")]
-        commands += [("MEMORY", "USAGE", stream), ("MEMORY", "USAGE", f"{run}:seq")]
+        commands.append(("MEMORY", "USAGE", stream))
         for task in by_task:
             commands += [("MEMORY", "USAGE", f"{run}:journal:{task}"),
                          ("MEMORY", "USAGE", f"{run}:approval:{task}"),
@@ -439,7 +454,7 @@ def _per_effect(client: Any, keys: Keys, streams: list[str], app: Celery,
     usages = iter(_pipelined(client, commands))
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for _, by_task in runs:
-        shared = int(next(usages) or 0) + int(next(usages) or 0)
+        shared = int(next(usages) or 0)
         for effect in by_task.values():
             own = sum(int(next(usages) or 0) for _ in range(3))
             totals[effect][0] += 1
@@ -459,7 +474,7 @@ def _rate(client: Any, keys: Keys, window: int) -> tuple[float, float]:
     """Calls per second over the newest ``window`` entries of the global stream
     (distinct task ids over the time since the oldest of them, at least
     :data:`MIN_RATE_SPAN`), and that time."""
-    entries = client.xrevrange(keys.global_events, count=window) or []
+    entries = newest_copies(client, keys.global_streams, window)
     if not entries:
         return 0.0, 0.0
     tasks = set()

@@ -66,11 +66,6 @@ def cut(value: str, width: int) -> str:
     return text[: max(width - 1, 0)] + ELLIPSIS if width > 0 else ""
 
 
-def clip(line: str, width: int) -> str:
-    """``line`` cut at ``width`` characters (ending in … when cut), spacing kept."""
-    return line if len(line) <= width else line[: max(width - 1, 0)] + ELLIPSIS
-
-
 @dataclass(frozen=True)
 class Layout:
     """Which columns a table shows, and how wide each is: made once by

@@ -78,7 +78,8 @@ def visible_json(value: Any, *, indent: int | None = None, sort_keys: bool = Tru
     JSON escape: the same JSON value, with nothing invisible in its text."""
     text = json.dumps(value, ensure_ascii=False, indent=indent, sort_keys=sort_keys,
                       default=str)
-    if text.isascii():
+    # DEL (U+007F) is ASCII and a control, and the one json.dumps leaves as is.
+    if text.isascii() and "\x7f" not in text:
         return text
     # Outside strings JSON is ASCII (an indent's line breaks: kept); inside
     # them, C0 controls are escaped already and an escape is the same character.

@@ -54,6 +54,7 @@ from ..errors import (
     InvalidToolArguments,
     StoreUnavailable,
 )
+from ..identity import CALLER_HEADER, MAX_CALLER_LENGTH
 from ..states import ApprovalState, CallStatus, JournalState
 from ..store.journal import JournalRef
 from ..store.runtime import runtime_for
@@ -102,6 +103,11 @@ class CallReport:
     body_completed: bool = False
     #: For invalid arguments: each field that does not fit, and why.
     invalid: tuple[dict[str, Any], ...] = field(default=())
+    #: AWAITING_APPROVAL: who approves it (an Approver value: operator, user,
+    #: both; '' when not known) and where its approval stands (pending, or
+    #: user_approved: its user approved, an operator has not yet).
+    approver: str = ""
+    approval_state: str = ""
     #: The largest text the model is given (the result, or what happened);
     #: a longer one is cut, with a note naming the task id that holds it whole.
     max_result_bytes: int = field(default=MAX_RESULT_BYTES, compare=False, repr=False)
@@ -146,6 +152,10 @@ class CallReport:
             data["body_completed"] = True
         if self.invalid:
             data["invalid_arguments"] = list(self.invalid)
+        if self.approver:
+            data["approver"] = self.approver
+        if self.approval_state:
+            data["approval_state"] = self.approval_state
         data["message"] = self.message()
         return data
 
@@ -172,8 +182,8 @@ class CallReport:
                     "task's, or nobody published it, or its record expired. Nothing is "
                     "known of it here.")
         if status is CallStatus.AWAITING_APPROVAL:
-            return (f"{tool} is waiting for a person's approval; nothing of it has run. "
-                    f"Do not call it again: ask {STATUS_TOOL} with task_id {task} later.")
+            return f"{self._awaiting()} Do not call it again: ask {STATUS_TOOL} with task_id " \
+                   f"{task} later."
         if status in (CallStatus.QUEUED, CallStatus.RUNNING):
             return (f"{tool} is {status.value} and has not ended yet. Do not call it again: "
                     f"ask {STATUS_TOOL} with task_id {task} later.")
@@ -181,7 +191,8 @@ class CallReport:
             error = self.error.removeprefix(f"{tool}: ")
             return f"{tool} was not called: {error}"
         if status is CallStatus.REJECTED:
-            return (f"{tool} was rejected: a person did not approve it ({self.error}). "
+            why = self.error.removesuffix("; nothing ran")
+            return (f"{tool} was rejected: a person did not approve it ({why}). "
                     f"Nothing of it ran (task_id {task}).")
         if status is CallStatus.REVOKED:
             return f"{tool} was cancelled by an operator (task_id {task})."
@@ -196,6 +207,29 @@ class CallReport:
                     f"({self.dead_letter_reason}): {said}.{after} An operator can inspect "
                     f"task_id {task}.")
         return f"{tool} failed ({self.failure_class or 'error'}): {said} (task_id {task})."
+
+
+    def _awaiting(self) -> str:
+        """Who the call waits for, and who can decide it from where."""
+        tool, task = self.tool, self.task_id
+        approve = f"`celery tooleffect approvals approve {task}`"
+        if self.approver == "both" and self.approval_state == ApprovalState.USER_APPROVED.value:
+            return (f"{tool} was approved by its user and is waiting for an operator's "
+                    f"approval ({approve}); nothing of it has run.")
+        if self.approver not in ("user", "both"):
+            return f"{tool} is waiting for a person's approval; nothing of it has run."
+        # Its user's approval was not asked for: a client that asks its user
+        # (MCP elicitation, an SDK's pause) records it before the call is published.
+        unasked = ("the client that made this call did not ask its user (an MCP client "
+                   "without elicitation cannot)")
+        if self.approver == "user":
+            return (f"{tool} is waiting for its user's approval, and {unasked}; nothing of it "
+                    f"has run. An operator can approve it instead: {approve}.")
+        return (f"{tool} is waiting for its user's approval, then an operator's, and "
+                f"{unasked}; nothing of it has run. An operator cannot approve it before its "
+                "user does: it runs once its user approves it through a client that asks "
+                f"them, then an operator (an operator can reject it: `celery tooleffect "
+                f"approvals reject {task}`).")
 
 
 class ToolCaller:
@@ -270,15 +304,33 @@ class ToolCaller:
 
     async def call(self, tool: ToolTask | str, arguments: Any, *, call_id: str | None = None,
                    run_id: str | None = None, progress: Progress | None = None,
-                   published: Callable[[str], None] | None = None) -> CallReport:
+                   published: Callable[[str], None] | None = None,
+                   caller: str | None = None, result_wait: float | None = None,
+                   ) -> CallReport:
         """Call ``tool`` with an agent's ``arguments`` (a mapping or its JSON)
         and wait for it, reporting each change of status to ``progress``;
         ``published`` is given the task id as soon as the call is published
-        (also when the caller was cancelled while it was being published).
+        (also when the caller was cancelled while it was being published);
+        ``result_wait`` bounds the wait (default the caller's, :meth:`wait`).
         ``call_id`` (the agent's tool-call id or an idempotency key) and
         ``run_id`` make the call's task id: the same pair is the same call.
-        Invalid arguments, an id that is another call's, or a broker that
-        refuses the message answer REFUSED: nothing was published."""
+        ``caller`` names who made it (the ``tooleffect_caller`` header, which
+        its audit events record). Invalid arguments, an id that is another
+        call's, or a broker that refuses the message answer REFUSED: nothing
+        was published."""
+        submitted = await self.submit(tool, arguments, call_id=call_id, run_id=run_id,
+                                      published=published, caller=caller)
+        if submitted.status is CallStatus.REFUSED:
+            return submitted
+        return await self.wait(submitted.task_id, tool=submitted.tool, run_id=run_id or "",
+                               call_id=call_id or "", progress=progress, result_wait=result_wait)
+
+    async def submit(self, tool: ToolTask | str, arguments: Any, *, call_id: str | None = None,
+                     run_id: str | None = None,
+                     published: Callable[[str], None] | None = None,
+                     caller: str | None = None) -> CallReport:
+        """:meth:`call` without the wait: QUEUED with the task id once the
+        call is published, or REFUSED when nothing was."""
         spec = self.spec(tool)
         name = spec.name
         try:
@@ -289,7 +341,8 @@ class ToolCaller:
                               failure_class="client_error", invalid=tuple(exc.errors))
         try:
             # Not abandoned on cancel: a message that left is known by its id.
-            task_id = await anyio.to_thread.run_sync(self.publish, name, kwargs, call_id, run_id)
+            task_id = await anyio.to_thread.run_sync(self.publish, name, kwargs, call_id, run_id,
+                                                     caller)
             if published is not None:
                 published(task_id)
         except (CallIdConflict, InvalidCallId) as exc:
@@ -306,19 +359,22 @@ class ToolCaller:
                               error_type=type(exc).__name__,
                               error=f"not published, the broker or store did not answer: "
                                     f"{exc}{again}", failure_class="connection")
-        return await self.wait(task_id, tool=name, run_id=run_id or "", call_id=call_id or "",
-                               progress=progress)
+        return CallReport(task_id, name, CallStatus.QUEUED, run_id or "", call_id or "",
+                          max_result_bytes=self.max_result_bytes)
 
     def publish(self, tool: str, kwargs: dict[str, Any], call_id: str | None = None,
-                run_id: str | None = None) -> str:
+                run_id: str | None = None, caller: str | None = None) -> str:
         """Publish the call (blocking): its task id. ``CallIdConflict`` or
-        ``InvalidCallId`` when its identity cannot be this call's."""
+        ``InvalidCallId`` when its identity cannot be this call's. ``caller``:
+        the ``tooleffect_caller`` header (who made the call)."""
         # Without a call id the caller still chooses the task id, so that it is
         # claimed for its tool: the status tool answers only for served tools.
         options: dict[str, Any] = {"task_id": uuid.uuid4().hex} if call_id is None else {
             "call_id": call_id}
         if run_id is not None:
             options["run_id"] = run_id
+        if caller:
+            options["headers"] = {CALLER_HEADER: caller[:MAX_CALLER_LENGTH]}
         return str(self.app.tasks[tool].apply_async(kwargs=kwargs, **options).id)
 
     async def wait(self, task_id: str, *, tool: str = "", run_id: str = "", call_id: str = "",
@@ -446,9 +502,12 @@ class ToolCaller:
             return replace(base, status=CallStatus.FAILED, error_type=type(value).__name__,
                            error=str(value), failure_class=failure_class)
         approval = runtime.approvals.get(task_id)
-        if approval is not None and approval.state is ApprovalState.PENDING:
+        if approval is not None and approval.state in (ApprovalState.PENDING,
+                                                       ApprovalState.USER_APPROVED):
             return replace(base, status=CallStatus.AWAITING_APPROVAL,
-                           tool=base.tool or approval.name, run_id=run_id or approval.run_id)
+                           tool=base.tool or approval.name, run_id=run_id or approval.run_id,
+                           approver=approval.approver or "operator",
+                           approval_state=approval.state.value)
         if state in (celery_states.STARTED, celery_states.RETRY):
             return replace(base, status=CallStatus.RUNNING)
         if run_id:

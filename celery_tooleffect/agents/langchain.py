@@ -12,14 +12,35 @@ arguments) is raised as a ``ToolException`` that the tool turns into a
 ``ToolMessage`` with ``status="error"`` (``handle_tool_error``); the graph
 goes on. The call's report is the message's ``artifact``.
 
-LangGraph's ``interrupt()`` stops a graph for a person *before* a node runs,
-and re-runs the whole node when resumed; the package's ``requires_approval``
-parks the published call for an operator. Both combine: a resumed node calls
-the tool again with the same tool-call id, which is the same call.
+A tool whose ``requires_approval`` names the agent's user (``Approver.USER``,
+or ``Approver.BOTH``: the user, then an operator) pauses the graph with
+LangGraph's ``interrupt()`` before the call is published: the interrupt's
+value is the :class:`~celery_tooleffect.agents.approvals.ApprovalAsk` as a
+dict (its tool, task id, what its ``approval_view`` shows, that view's digest,
+and a ``question``), and the app resumes with
+``Command(resume={"approved": bool, "by": str, "reason": str, "digest": str})``
+(:class:`ApprovalResume`; ``digest``: the one shown). A resume value of
+another shape is refused by LangGraph's own ``response_schema`` check: the
+``ainvoke`` raises ``pydantic.ValidationError`` and the interrupt waits to be
+answered again. LangGraph re-runs the tool from its top when resumed; the
+tool then records the decision (:meth:`UserApprovals.decide`, ``via
+"langgraph"``) and publishes the call, which runs once if approved (with
+``Approver.BOTH`` it then waits for an operator) and reaches the model as a
+rejection (a ``ToolMessage`` with ``status="error"``) if not. A digest other
+than the one these arguments show decides nothing and publishes nothing. A
+node re-run after its decision was recorded asks nobody again: the call id is
+the same task, held by the worker to that decision, and run once. Interrupts
+need a checkpointer and a ``thread_id``; a run resumed in another process
+needs a persistent checkpointer (an ``InMemorySaver`` lives in one process).
+
+A tool an operator alone approves (``requires_approval=True``) does not
+pause the graph: the worker parks the published call, and the model is told
+that it awaits a person's approval.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import uuid
 from collections import OrderedDict
@@ -29,17 +50,46 @@ from typing import Annotated, Any
 from .extras import missing_extra
 
 try:
+    import anyio
     import pydantic
     from langchain_core.runnables import RunnableConfig
     from langchain_core.tools import InjectedToolCallId, StructuredTool, ToolException
+    from langgraph.types import interrupt
 except ModuleNotFoundError as exc:
     raise missing_extra(exc, __name__, "langchain") from exc
 
-from ..errors import ToolSchemaError
+from ..errors import InvalidToolArguments, ToolSchemaError
+from ..states import ApprovalState
 from ..task import ToolTask
+from .approvals import UserApprovals
 from .calls import STATUS_TOOL, ToolCaller
 
-__all__ = ["langchain_status_tool", "langchain_tool", "langchain_tools"]
+__all__ = ["ApprovalResume", "langchain_status_tool", "langchain_tool", "langchain_tools"]
+
+#: The ``via`` of a decision taken through a LangGraph interrupt (its audit event).
+VIA = "langgraph"
+
+
+class ApprovalResume(pydantic.BaseModel):
+    """What a LangGraph app resumes a call paused for its user's approval
+    with: ``Command(resume={"approved": True, "by": "ana@example.com",
+    "reason": "", "digest": interrupt.value["digest"]})``. Validated by
+    LangGraph (``interrupt(response_schema=...)``, also sent to clients as a
+    JSON schema): a value of another shape raises ``pydantic.ValidationError``
+    from the resuming call and leaves the interrupt to be answered again."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, json_schema_extra={
+        "description": "The person's decision on a tool call paused for their approval: "
+                       "whether they approve it, who they are, why, and the digest of what "
+                       "they were shown (the interrupt's 'digest')."})
+
+    approved: pydantic.StrictBool = pydantic.Field(
+        description="True: the person approves the call; false: they reject it.")
+    by: Annotated[str, pydantic.StringConstraints(strip_whitespace=True, min_length=1)] = \
+        pydantic.Field(description="Who decided (recorded and audited as the actor).")
+    digest: Annotated[str, pydantic.StringConstraints(min_length=1)] = pydantic.Field(
+        description="The digest of what the person was shown: the interrupt's 'digest'.")
+    reason: str = pydantic.Field("", description="Why (recorded and audited).")
 
 #: Names LangChain's injection takes for itself.
 _RESERVED = frozenset({"tool_call_id", "config", "runtime", "callbacks", "run_manager"})
@@ -60,9 +110,14 @@ def langchain_tool(task: ToolTask, *, caller: ToolCaller | None = None,
         tool_call_id=(Annotated[str, InjectedToolCallId], ...),
     )
 
+    users = UserApprovals(caller)
+
     async def call(tool_call_id: str, config: RunnableConfig, **given: Any) -> tuple[str, Any]:
+        run_id = thread_id_of(config)
+        if tool_call_id and _in_graph(config):
+            await _decided_by_user(users, spec.name, given, call_id=tool_call_id, run_id=run_id)
         report = await caller.call(spec.name, given, call_id=tool_call_id or None,
-                                   run_id=thread_id_of(config))
+                                   run_id=run_id)
         if report.is_error:
             raise ToolException(report.message())
         return report.message(), report.to_dict()
@@ -72,6 +127,42 @@ def langchain_tool(task: ToolTask, *, caller: ToolCaller | None = None,
         coroutine=call, handle_tool_error=True, response_format="content_and_artifact",
         metadata={"tooleffect_effect": spec.effect.value, "tooleffect_task": spec.name},
     )
+
+
+def _in_graph(config: RunnableConfig | None) -> bool:
+    """Whether the tool runs in a LangGraph node, where ``interrupt()`` can
+    pause (the node's scratchpad is in its config). Outside a graph nothing
+    can pause: the call is published and the worker parks it until its user
+    decides (:class:`UserApprovals`), as for any client that does not ask."""
+    return "__pregel_scratchpad" in ((config or {}).get("configurable") or {})
+
+
+async def _decided_by_user(users: UserApprovals, tool: str, given: dict[str, Any], *,
+                           call_id: str, run_id: str) -> None:
+    """Pause the graph for the user's decision on this call, if it waits for
+    one, and record it when the graph resumes; return once the call may be
+    published (the worker holds it to the decision recorded). Raises
+    ``ToolException`` when the resume decided nothing (another digest)."""
+    try:
+        ask = await anyio.to_thread.run_sync(functools.partial(
+            users.ask, tool, given, call_id=call_id, run_id=run_id))
+    except InvalidToolArguments:
+        return  # the call answers them, as for any tool
+    if ask is None:  # no decision of its user awaited, or one recorded already
+        return
+    # Raises GraphInterrupt the first time; the resumed node gets the answer.
+    answer = interrupt({**ask.to_dict(), "question": ask.question()},
+                       response_schema=ApprovalResume)
+    decision = await anyio.to_thread.run_sync(functools.partial(
+        users.decide, tool, given, call_id=call_id, run_id=run_id, approve=answer.approved,
+        seen=answer.digest, by=answer.by, reason=answer.reason, via=VIA))
+    if decision:
+        return
+    # Refused: decided meanwhile (e.g. by an earlier run of this node) is
+    # the worker's to enforce; anything else recorded nothing.
+    state = await anyio.to_thread.run_sync(users.state, ask.task_id, run_id)
+    if state in (ApprovalState.ABSENT, ApprovalState.PENDING):
+        raise ToolException(f"{decision.message}; {tool} was not called.")
 
 
 def langchain_status_tool(caller: ToolCaller, tools: Iterable[str] | None = None) -> StructuredTool:

@@ -82,10 +82,21 @@ class Approval:
     decided_by: str = ""
     decided_at: float | None = None
     reason: str = ""
+    #: Who approves it (an Approver value): what its tool declared for it.
+    approver: str = "operator"
+    #: The digest of what the agent's user was shown when deciding it
+    #: (:func:`~celery_tooleffect.actions.showing.shown_arguments`): a
+    #: delivery whose arguments show otherwise does not run.
+    shown_digest: str = ""
+    #: Who of the agent's side decided, and how (the SDK or MCP).
+    user_decided_by: str = ""
 
     @property
     def decided(self) -> bool:
-        return self.state not in (ApprovalState.PENDING, ApprovalState.ABSENT)
+        """Whether the decision it waited for is taken (a call its user
+        approved still waits for an operator)."""
+        return self.state not in (ApprovalState.PENDING, ApprovalState.ABSENT,
+                                  ApprovalState.USER_APPROVED)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form, without the message (what the CLI and the API show)."""
@@ -102,6 +113,9 @@ class Approval:
             "decided_by": self.decided_by,
             "decided_at": self.decided_at,
             "reason": self.reason,
+            "approver": self.approver,
+            "user_decided_by": self.user_decided_by,
+            "shown_digest": self.shown_digest,
         }
 
     def record(self) -> dict[str, str]:
@@ -116,7 +130,13 @@ class Approval:
             "requested_at": f"{self.requested_at:.6f}",
             "arguments": json.dumps(dict(self.arguments), ensure_ascii=False),
             "worker": self.worker,
+            "approver": self.approver,
         }
+        for name in ("shown_digest", "user_decided_by", "decided_by", "reason"):
+            if getattr(self, name):
+                fields[name] = getattr(self, name)
+        if self.decided_at is not None:
+            fields["decided_at"] = f"{self.decided_at:.6f}"
         if self.message is not None:
             fields["message"] = json.dumps(self.message.to_dict(), ensure_ascii=False)
         return fields
@@ -139,6 +159,9 @@ class Approval:
             decided_by=record.get("decided_by", ""),
             decided_at=float(decided_at) if decided_at else None,
             reason=record.get("reason", ""),
+            approver=record.get("approver") or "operator",
+            shown_digest=record.get("shown_digest", ""),
+            user_decided_by=record.get("user_decided_by", ""),
         )
 
 
@@ -176,8 +199,7 @@ class ApprovalStore:
         return client_for(self.settings.store_endpoint, self.settings.socket_timeout)
 
     def _keys(self, run_id: str, task_id: str) -> list[str]:
-        return [self.keys.approval(run_id, task_id), self.keys.run_events(run_id),
-                self.keys.run_seq(run_id)]
+        return [self.keys.approval(run_id, task_id), self.keys.run_events(run_id)]
 
     def _index(self, approval: Approval) -> list[tuple[Any, ...]]:
         return [
@@ -191,24 +213,63 @@ class ApprovalStore:
     def request(self, approval: Approval, event: AuditEvent) -> ApprovalState | None:
         """Park ``approval`` (state ``pending``) with its ``approval requested``
         event; None when parked now, else the state of the record it already
-        has (nothing changes then, but the indexes are repaired).
+        has (nothing changes then, but the indexes are repaired). A record its
+        user approved before it was published (``user_approved``, no message)
+        takes this delivery's message and is listed for an operator: None too.
 
         Raises :class:`StoreUnavailable` when it could not be stored.
         """
         record = flatten(approval.record())
-        fields = flatten(event)
+        fields = self.audit.sealed(event)
+        answer = self._store(approval, record, fields, ApprovalState.USER_APPROVED.value,
+                             also=self._index(approval))
+        if text(answer[0]) in ("ok", "adopted"):
+            return None
+        return ApprovalState.coerce(text(answer[1]))
+
+    def record_decision(self, approval: Approval, event: AuditEvent) -> ApprovalState | None:
+        """Store a decision the agent's user took before the call was published
+        (``approval``: no message, in its decided state) with its audit event;
+        None when stored now, else the state of the record the call already has
+        (then nothing changes). The first record wins, as a worker's parking.
+
+        Raises :class:`StoreUnavailable` when it could not be stored.
+        """
+        record = flatten(approval.record())
+        fields = self.audit.sealed(event)
+        answer = self._store(approval, record, fields, "", also=[
+            ("HSET", self.keys.approvals_where, approval.task_id, approval.run_id)])
+        if text(answer[0]) == "ok":
+            if approval.state in DECISIONS and approval.decided_at is not None:
+                self.index_decision(approval, approval.state, approval.decided_at)
+            return None
+        return ApprovalState.coerce(text(answer[1]))
+
+    def _store(self, approval: Approval, record: list[Any], fields: list[Any], adopt: str,
+               also: list[tuple[Any, ...]]) -> Any:
         try:
-            answer = script("approval_request").call_with(
+            return script("approval_request").call_with(
                 self.client, self._keys(approval.run_id, approval.task_id),
-                [self.settings.approval_ttl, self.settings.run_stream_maxlen,
+                [self.settings.approval_ttl, self.settings.run_stream_maxlen, adopt,
                  len(record) // 2, *record, *fields],
-                also=[*self._index(approval), self.audit.global_copy(fields)],
+                also=[*also, self.audit.global_copy(fields)],
             )
         except redis.RedisError as exc:
             raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
-        if text(answer[0]) == "ok":
-            return None
-        return ApprovalState.coerce(text(answer[1]))
+
+    def decision(self, run_id: str, task_id: str) -> tuple[ApprovalState, str]:
+        """Where the call's approval stands (``absent``: never parked nor
+        decided) and the digest of what its user was shown ('' if none).
+
+        Raises :class:`StoreUnavailable` when the store cannot answer.
+        """
+        try:
+            state, digest = self.client.hmget(self.keys.approval(run_id, task_id),
+                                              ["state", "shown_digest"])
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"approval store unavailable: {exc}") from exc
+        return (ApprovalState.coerce(text(state)) if state else ApprovalState.ABSENT,
+                text(digest) if digest else "")
 
     def state(self, run_id: str, task_id: str) -> ApprovalState:
         """Where the call's approval stands (``absent``: never parked).
@@ -237,7 +298,7 @@ class ApprovalStore:
         Raises :class:`StoreUnavailable` when nothing could be stored.
         """
         record = flatten(fields or {})
-        event_fields = flatten(event)
+        event_fields = self.audit.sealed(event)
         try:
             answer = script("approval_transition").call_with(
                 self.client, self._keys(approval.run_id, approval.task_id),
@@ -383,9 +444,11 @@ class ApprovalStore:
         )
 
     def pending_counts(self) -> Counter[tuple[str, str]]:
-        """How many calls await a decision, by (queue, tool)."""
+        """How many calls await a decision, by (queue, tool) (a call its user
+        approved, waiting for an operator, too)."""
         return Counter((approval.queue, approval.name) for approval in self.listed()
-                       if approval.state is ApprovalState.PENDING)
+                       if approval.state in (ApprovalState.PENDING,
+                                             ApprovalState.USER_APPROVED))
 
 
 def _seconds(value: str | None) -> float | None:

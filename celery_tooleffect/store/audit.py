@@ -1,4 +1,4 @@
-"""The audit log: one Redis stream per run, plus a global stream for tailing.
+"""The audit log: one Redis list per run (:mod:`.chain`), plus a global stream for tailing.
 
 Events of a write are appended by the journal's transition scripts, in the
 same atomic step as the transition. Everything else (read-only tools, lease
@@ -18,13 +18,13 @@ the privacy level (``tooleffect_privacy``):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import socket
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -32,10 +32,11 @@ import redis
 from ..effect import ToolEffect
 from ..events import AuditEvent
 from ..settings import Settings, settings_for
+from .chain import ChainCheck, Element, Header, check_chain, head_of, link, seal, stored
 from .connections import Command, client_for, one_round_trip
-from .keys import Keys, unescape_hash_tag
+from .keys import store_keys, unescape_hash_tag
 from .leases import BrokerAck
-from .lua import KeyOrArg, script
+from .lua import KeyOrArg, databases_argument, script
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -122,6 +123,9 @@ class StepContext:
     queue: str
     redelivered: bool
     worker: str
+    #: Who made the call (its ``tooleffect_caller`` header; '' when it names
+    #: nobody): every event of the attempt records it as ``details.caller``.
+    caller: str = ""
 
     def event(
         self,
@@ -152,7 +156,8 @@ class StepContext:
             failure_class=failure_class,
             exception=exception,
             exception_type=exception_type,
-            **{**(payload or {}), **details},
+            **{**(payload or {}), **details,
+               **({"caller": self.caller} if self.caller else {})},
         )
 
 
@@ -176,27 +181,64 @@ def _decode(fields: Mapping[Any, Any]) -> dict[str, str]:
     return {text(key): text(value) for key, value in fields.items()}
 
 
-@dataclass(frozen=True)
-class ChainCheck:
-    """What :meth:`AuditLog.verify` found in one run's stream."""
-
-    run_id: str
-    events: int
-    #: The first broken link: the stream entry id, and what is wrong with it.
-    broken_at: str | None = None
-    problem: str | None = None
-
-    @property
-    def intact(self) -> bool:
-        return self.broken_at is None
+#: The fields an event's copy in the global stream keeps: what ``audit tail``
+#: shows (and the sizing's call rate reads); its time is the entry id's. The
+#: run's list holds the rest.
+GLOBAL_FIELDS = frozenset(("run_id", "task_id", "tool", "phase", "status",
+                           "failure_class", "worker", "actor"))
 
 
-def event_hash(fields: Sequence[tuple[bytes, bytes]]) -> str:
-    """The hash an event's fields (in stored order, without ``hash``) must carry."""
-    canonical = b"".join(
-        b"%d:%s" % (len(part), part) for pair in fields for part in pair
-    )
-    return hashlib.sha1(canonical).hexdigest()
+def copied_fields(entry_id: str, fields: Mapping[Any, Any]) -> dict[str, str]:
+    """An event's copy in the global stream, entry ``entry_id``, as text: its run
+    id first (a copy leaves it out when it is the task id: a call that is a
+    run of its own), and its time, the entry id's (milliseconds)."""
+    decoded = _decode(fields)
+    if "run_id" not in decoded and "task_id" in decoded:
+        decoded = {"run_id": decoded["task_id"], **decoded}
+    if "ts" not in decoded:
+        milliseconds = entry_id.partition("-")[0]
+        if milliseconds.isdigit():
+            decoded["ts"] = f"{int(milliseconds) / 1000:.3f}"
+    return decoded
+
+
+def entry_order(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id as (milliseconds, sequence), to merge several streams."""
+    milliseconds, _, sequence = text(entry_id).partition("-")
+    return int(milliseconds or 0), int(sequence or 0)
+
+
+def newest_copies(client: Any, streams: Sequence[str], count: int) -> list[Any]:
+    """The newest ``count`` entries of the global copy over ``streams``, newest
+    first, as ``XREVRANGE`` gives them: one stream read as is, several (a
+    cluster's shards) read in one pipeline and merged by entry id. Entry ids
+    of streams on different nodes follow each node's clock, so the merged
+    order is as good as the nodes' clocks agree."""
+    if len(streams) == 1:
+        return list(client.xrevrange(streams[0], count=count) or [])
+    pipe = client.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xrevrange(stream, count=count)
+    merged = [entry for entries in pipe.execute() for entry in entries or []]
+    merged.sort(key=lambda entry: entry_order(entry[0]), reverse=True)
+    return merged[:count]
+
+
+def read_run(run_id: str, raw: Sequence[bytes]) -> Iterator[AuditEvent]:
+    """The events of a run's list ``raw`` (header first), read back: each its
+    ``seq`` (also its ``id``), its fields, and the chain's links before and
+    after it (``prev``, ``hash``) as computed from what is stored."""
+    header = Header.parse(raw[0]) if raw else None
+    elements = raw[1:] if header is not None else raw
+    base_seq, previous = (header.base_seq, header.base) if header is not None else (0, "")
+    element: Element | None = None
+    for number, element_bytes in enumerate(elements, 1):
+        element = Element.parse(base_seq + number, element_bytes, element)
+        current = link(previous, element.body)
+        seq = str(element.seq)
+        yield AuditEvent.from_stream(seq, {"seq": seq, **element.fields(run_id),
+                                           "prev": previous, "hash": current})
+        previous = current
 
 
 @dataclass(frozen=True)
@@ -207,6 +249,9 @@ class StoredResult:
     key: str | bytes
     value: str | bytes
     expires: int | None
+    #: The backend's database when it is not the store's (the script selects
+    #: it for the result); None when it is the store's.
+    db: int | None = None
 
 
 class AuditLog:
@@ -214,15 +259,20 @@ class AuditLog:
 
     def __init__(self, app: Celery, settings: Settings | None = None) -> None:
         self.settings = settings or settings_for(app)
-        self.keys = Keys(self.settings.key_prefix)
+        self.keys = store_keys(self.settings.key_prefix,
+                               cluster=self.settings.store_endpoint.cluster)
 
     @property
     def client(self) -> redis.Redis:
         return client_for(self.settings.store_endpoint, self.settings.socket_timeout)
 
+    @cached_property
+    def _store_db(self) -> int:
+        return self.settings.store_endpoint.db
+
     def record_step(self, event: AuditEvent, result: StoredResult | None = None,
                     ack: BrokerAck | None = None) -> bool:
-        """Append ``event`` to its run's stream. Never raises; True if stored.
+        """Append ``event`` to its run's events. Never raises; True if stored.
 
         The copy to the global stream travels in the same round trip.
         ``result`` (the result backend is this Redis): stored and published in
@@ -234,16 +284,20 @@ class AuditLog:
         """
         try:
             run_id = str(event["run_id"])
-            fields = flatten(event)
+            fields = self.sealed(event)
             script("append_event").call_with(
                 self.client,
-                [self.keys.run_events(run_id), self.keys.run_seq(run_id),
+                [self.keys.run_events(run_id),
                  *([result.key] if result is not None else []),
                  *((ack.unacked_key, ack.index_key) if ack is not None else ())],
                 [self.settings.run_stream_maxlen, self.settings.journal_ttl,
                  (result.expires or 0) if result is not None else 0,
                  result.value if result is not None else "",
-                 ack.tag if ack is not None else "", *fields],
+                 ack.tag if ack is not None else "",
+                 databases_argument(self._store_db,
+                                    result.db if result is not None else None,
+                                    ack.db if ack is not None else None),
+                 *fields],
                 also=[self.global_copy(fields)],
             )
         except Exception as exc:
@@ -257,13 +311,13 @@ class AuditLog:
         global-stream copies; each append stays atomic. Never raises; True
         where stored."""
         try:
-            flat = [flatten(event) for event in events]
+            flat = [self.sealed(event) for event in events]
             calls: list[tuple[list[KeyOrArg], list[KeyOrArg]]] = []
             for event, fields in zip(events, flat, strict=True):
                 run_id = str(event["run_id"])
-                calls.append(([self.keys.run_events(run_id), self.keys.run_seq(run_id)],
+                calls.append(([self.keys.run_events(run_id)],
                               [self.settings.run_stream_maxlen, self.settings.journal_ttl,
-                               0, "", "", *fields]))
+                               0, "", "", "", *fields]))
             answers = script("append_event").call_many(
                 self.client, calls, also=[self.global_copy(fields) for fields in flat])
         except Exception as exc:
@@ -277,11 +331,35 @@ class AuditLog:
                                dict(event, run_id=event.get("run_id")))
         return stored
 
+    def sealed(self, event: AuditEvent) -> list[str]:
+        """``event`` as a script receives it (:func:`flatten`), with its keyed MAC
+        last when ``tooleffect_audit_key`` is set (:func:`.chain.seal`)."""
+        fields = flatten(event)
+        key = self.settings.audit_key
+        if key is not None:
+            fields += ["mac", seal(key, str(event["run_id"]), fields)]
+        return fields
+
     def global_copy(self, fields: Sequence[str]) -> Command:
         """The command that copies an event, given as its :func:`flatten` fields, to
-        the global stream used for tailing."""
-        return ("XADD", self.keys.global_events, "MAXLEN", "~",
-                self.settings.global_stream_maxlen, "*", *fields)
+        the global stream used for tailing: only :data:`GLOBAL_FIELDS`."""
+        kept: list[str] = []
+        for at in range(0, len(fields) - 1, 2):
+            if fields[at] in GLOBAL_FIELDS:
+                kept += fields[at:at + 2]
+        if kept[:1] == ["run_id"] and kept[2:3] == ["task_id"] and kept[1] == kept[3]:
+            # A call that is a run of its own: its run id is its task id (read
+            # back by copied_fields).
+            del kept[:2]
+        run_id = next((fields[at + 1] for at in range(0, len(fields) - 1, 2)
+                       if fields[at] == "run_id"), "")
+        return ("XADD", self.keys.global_stream(run_id), "MAXLEN", "~",
+                self._global_maxlen, "*", *kept)
+
+    @cached_property
+    def _global_maxlen(self) -> int:
+        # The cap is the global copy's, shared by a cluster's shards.
+        return max(self.settings.global_stream_maxlen // len(self.keys.global_streams), 1)
 
     def copy_to_global(self, event: AuditEvent) -> None:
         """Copy an event to the global stream used for tailing. Best effort."""
@@ -295,56 +373,44 @@ class AuditLog:
 
         Each is an :class:`AuditEvent` read back (:meth:`AuditEvent.from_stream`):
         typed attributes (``ts``, ``attempt``, ``duration_ms``, ``redelivered``,
-        the chain's ``seq``, ``prev``, ``hash``, and ``entry_id``), and the
-        mapping of its stored fields' text with its stream entry ``id``
-        (``event["status"]``, ``dict(event)``). Reads only that run's stream.
+        the chain's ``seq``, ``prev``, ``hash`` and ``mac``, and ``entry_id``, its
+        seq as text), and the mapping of its fields' text with its ``id``
+        (``event["status"]``, ``dict(event)``). Reads only that run's list.
         """
-        entries: Sequence[Any] = self.client.xrange(self.keys.run_events(run_id)) or []
-        return [AuditEvent.from_stream(text(entry_id), _decode(fields))
-                for entry_id, fields in entries]
+        return list(read_run(run_id, stored(
+            self.client.lrange(self.keys.run_events(run_id), 0, -1))))
 
-    def verify(self, run_id: str) -> ChainCheck:
-        """Check the hash chain of ``run_id``'s events; report the first broken link.
+    def verify(self, run_id: str, *, head: tuple[int, str] | None = None) -> ChainCheck:
+        """Check the chain of ``run_id``'s events; report the first broken link.
 
-        An edited event no longer matches its ``hash``; a deleted one leaves
-        the next event's ``prev`` pointing at nothing. The chain head kept
-        beside the stream catches the deletion of the newest events. Events
-        trimmed by MAXLEN are not a break: checking starts at the oldest event
-        still stored.
+        With ``tooleffect_audit_key`` set, every event's MAC is checked too;
+        ``head`` is a head exported earlier (:meth:`head`): the chain must
+        still lead to it. What each check finds, and what none can, is in
+        docs/operations.md#audit-verify. Events trimmed by
+        ``tooleffect_run_stream_maxlen`` are not a break: checking starts at
+        the header's base.
         """
-        client = self.client
-        entries: Sequence[Any] = client.xrange(self.keys.run_events(run_id)) or []
-        head = client.hget(self.keys.run_seq(run_id), "head")
-        previous: str | None = None
-        for entry_id, raw in entries:
-            pairs = [(bytes(key), bytes(value)) for key, value in raw.items()]
-            stored = dict(pairs)
-            where = text(entry_id)
-            if not pairs or pairs[-1][0] != b"hash":
-                return ChainCheck(run_id, len(entries), where, "event has no hash")
-            if event_hash(pairs[:-1]) != text(stored[b"hash"]):
-                return ChainCheck(run_id, len(entries), where, "event was altered")
-            if previous is not None and text(stored.get(b"prev", b"")) != previous:
-                return ChainCheck(run_id, len(entries), where,
-                                  "the event before it is missing or was altered")
-            previous = text(stored[b"hash"])
-        if head is not None and previous != text(head):
-            where = text(entries[-1][0]) if entries else "end"
-            return ChainCheck(run_id, len(entries), where, "newer events were deleted")
-        return ChainCheck(run_id, len(entries))
+        raw = stored(self.client.lrange(self.keys.run_events(run_id), 0, -1))
+        return check_chain(run_id, raw, key=self.settings.audit_key, exported=head)
+
+    def head(self, run_id: str) -> tuple[int, str] | None:
+        """The run's head, its newest event's ``(seq, link)``, to keep outside
+        Redis; None when the run has no events."""
+        header = self.client.lindex(self.keys.run_events(run_id), 0)
+        return head_of(stored([header])) if header is not None else None
 
     def runs(self) -> Iterator[str]:
-        """Every run id that has an audit stream (scans the store: for operators)."""
+        """Every run id that has audit events (scans the store: for operators)."""
         pattern = f"{self.keys.prefix}{{*}}:events"
         for key in self.client.scan_iter(match=pattern, count=1000):
             name = text(key)[len(self.keys.prefix):]
             yield unescape_hash_tag(name[1:name.rindex("}:events")])
 
     def tail(self, count: int = 100) -> list[AuditEvent]:
-        """The newest ``count`` events of all runs, oldest first, read back as
-        :meth:`events` reads them (``entry_id`` and ``id`` are the global
-        stream's; a copy there carries no chain: ``seq``, ``prev`` and ``hash``
-        are None unless the copy holds them)."""
-        entries: Sequence[Any] = self.client.xrevrange(self.keys.global_events, count=count) or []
-        return [AuditEvent.from_stream(text(entry_id), _decode(fields))
+        """The newest ``count`` events of all runs, oldest first, as the global
+        stream copies them (:data:`GLOBAL_FIELDS`; ``entry_id`` and ``id`` are
+        the global stream's; a copy carries no chain: ``seq``, ``prev`` and
+        ``hash`` are None)."""
+        entries = newest_copies(self.client, self.keys.global_streams, count)
+        return [AuditEvent.from_stream(text(entry_id), copied_fields(text(entry_id), fields))
                 for entry_id, fields in reversed(entries)]

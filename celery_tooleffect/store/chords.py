@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery.backends.redis import RedisBackend
 
-from ..store.dead_letters import DeadLetter
-from ..store.lua import script
+from .dead_letter_record import DeadLetter
+from .lua import script
 
 if TYPE_CHECKING:
     from celery import Celery

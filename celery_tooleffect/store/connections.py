@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import redis
@@ -20,6 +20,13 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from ..endpoints import RedisEndpoint, resolve
+
+#: hiredis's C packer (redis-py's optional C parser brings it), or None.
+c_pack: Callable[[Any], bytes] | None
+try:
+    from hiredis import pack_command as c_pack
+except ImportError:  # pragma: no cover - the tests run with hiredis
+    c_pack = None
 
 
 class _Packer:
@@ -172,7 +179,30 @@ def pack(commands: Sequence[Command]) -> bytes:
     cost more CPU than its round trip), and hiredis's refuses text that is not
     valid UTF-8. As redis-py does, a command name with a space
     (``"CONFIG GET"``) is sent as two words.
+
+    With hiredis installed, its C ``pack_command`` packs what it accepts
+    (exactly ``str``, ``bytes``, ``int`` and ``float``, written as ``str()``
+    and ``repr()`` write them: the same bytes as :func:`pack_python`), about
+    five times faster on a write's arguments; anything else (text that is not
+    valid UTF-8, a ``str`` subclass, a ``bytearray``) goes through
+    :func:`pack_python`.
     """
+    if c_pack is not None:
+        try:
+            packed = []
+            for command in commands:
+                name = command[0]
+                if type(name) is str and " " in name:
+                    return pack_python(commands)
+                packed.append(c_pack(command))
+            return b"".join(packed)
+        except (TypeError, UnicodeEncodeError):
+            pass
+    return pack_python(commands)
+
+
+def pack_python(commands: Sequence[Command]) -> bytes:
+    """:func:`pack` in Python alone (no hiredis, or what hiredis refuses)."""
     parts: list[bytes] = []
     for command in commands:
         name = command[0]

@@ -1,44 +1,35 @@
-"""Dead letters: tasks that will not run again by themselves, kept for operators.
+"""The dead-letter store: tasks that will not run again by themselves, kept for operators.
 
-A dead letter holds the message exactly as the broker delivered it (see
-:mod:`celery_tooleffect.store.envelope`), plus why it was dead-lettered. They live
-in the broker's Redis when the broker is Redis (so an outage of a separate
-audit store can still dead-letter), else in the store's Redis.
+A dead letter (:class:`~celery_tooleffect.store.dead_letter_record.DeadLetter`)
+holds the message exactly as the broker delivered it, plus why it was
+dead-lettered. They live in the broker's Redis when the broker is Redis (so an
+outage of a separate audit store can still dead-letter), else in the store's
+Redis.
 
 Per queue: a hash of envelopes by task id and a sorted set by time, so listing
 is paged and reading one is O(1). The first reason stored for a task wins
 (``HSETNX``): a later attempt to dead-letter the same task keeps the original.
-
-Besides the per-queue index, every letter is listed, by time, in one index of
-all queues and in one index per reason, failure class and effect. A page with
-any filters walks the smallest of the matching indexes from a cursor, so no
-listing, showing or counting ever reads every envelope: counts are the sizes
-of those indexes (``ZCARD``), which cannot drift from what is stored because
-the envelope and its index entries are written and removed by one script.
-
-The indexes count each facet on its own; the same scripts also keep one hash
-of joint counts (queue, reason, failure class and effect together), so that
-"how many letters of each combination" (:meth:`DeadLetters.counts`, the
-``tooleffect_dead_letters`` gauge) is one ``HGETALL``. A letter stored by a
-release without that hash is in the indexes but not in the joint counts; its
-removal never takes a joint count below 0.
+One script stores a letter with its entries in every index and its joint
+count, and one removes them all (replay, purge), so what is read through the
+indexes (:mod:`celery_tooleffect.store.dead_letter_indexes`: paging, counts)
+cannot drift from what is stored. A letter stored by a release without the
+joint counts is in the indexes but not in the joint counts; its removal never
+takes a joint count below 0.
 
 Lifecycle: an unresolved letter is never dropped or expired (no key here has
 a TTL); it is counted and aged per queue (:meth:`DeadLetters.backlog`,
-:func:`backlog_warnings`). Removing a letter (replay, purge) removes every
-trace of it here, its queue and facets from their sets included once their
-index is empty; what it left in the store (journal, run stream) expires with
-the retention.
+:func:`~celery_tooleffect.store.dead_letter_queries.backlog_warnings`).
+Removing a letter (replay, purge) removes every trace of it here, its queue
+and facets from their sets included once their index is empty; what it left
+in the store (journal, run events) expires with the retention.
 """
 
 from __future__ import annotations
 
 import builtins
-import json
-import shlex
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -49,122 +40,40 @@ from ..settings import Settings, settings_for
 # DeadLetterReason is a public name (celery_tooleffect.states); imported from
 # here too, as it was defined here before.
 from ..states import DeadLetterReason as DeadLetterReason
-from ..store.audit import text
-from ..store.connections import client_for, one_round_trip
-from ..store.envelope import MessageEnvelope
-from ..store.keys import Keys
-from ..store.lua import KeyOrArg, script
+from .audit import text
+from .connections import client_for, one_round_trip
+from .dead_letter_indexes import (
+    combination_field,
+    counts_of,
+    read_backlog,
+    read_oldest,
+    read_page,
+    read_stats,
+)
+from .dead_letter_queries import (
+    Cursor,
+    DeadLetterCount,
+    DeadLetterPage,
+    DeadLetterQuery,
+    DeadLetterStats,
+    QueueBacklog,
+    facets_of,
+)
+from .dead_letter_record import DeadLetter
+from .keys import Keys
+from .lua import KeyOrArg, script
 
 if TYPE_CHECKING:
     from celery import Celery
 
 
-#: Version of the envelope this release writes and reads (see :class:`DeadLetter`).
-ENVELOPE_VERSION = 2
-
-
-#: Content types whose decoding runs no code of the message's choosing
-#: (kombu's YAML decoder is ``yaml.safe_load``).
-SAFE_CONTENT = ("json", "msgpack", "yaml")
-
-
-def conflict_letter_id(task_id: str, digest: str) -> str:
-    """The id a call-id conflict is dead-lettered under: not the task id, whose
-    dead letter (if any) and journal are the first call's."""
-    return f"{task_id}.conflict-{digest[:12]}"
-
-
-@dataclass
-class DeadLetter:
-    """A dead-lettered task: the message as the broker delivered it, and why it is here.
-
-    ``message`` keeps the message whole, so that a replay publishes the same
-    bytes, headers and properties (see :mod:`celery_tooleffect.store.envelope`);
-    whoever can read the dead-letter keys can read it. Every letter this
-    release stores has one (envelope version 2). A letter of version 1, which
-    only development builds wrote (no release did), kept no message: it is read
-    without one (its arguments are not shown), its replay is refused, and it
-    can be purged.
-    """
-
-    task_id: str
-    name: str
-    queue: str
-    reason: str
-    failure_class: str
-    effect: str
-    run_id: str = ""
-    exception_type: str = ""
-    error: str = ""
-    attempts: int = 0
-    worker: str = ""
-    body_completed: bool = False
-    dead_lettered_at: float = field(default_factory=time.time)
-    #: The message as the broker delivered it (None only on its way from the
-    #: pool process, which does not hold it, and in a letter of version 1).
-    message: MessageEnvelope | None = None
-    #: Envelope version (a stored letter without one is of version 1).
-    version: int = ENVELOPE_VERSION
-    #: Outcomes reported by a worker that had lost its lease after the task
-    #: was dead-lettered: the write still ran, and this says how it ended.
-    late_outcomes: list[dict[str, str]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe form (the stored envelope); :meth:`from_dict` reads it back equal."""
-        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        data["message"] = self.message.to_dict() if self.message is not None else None
-        return data
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), ensure_ascii=False)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DeadLetter:
-        known = set(cls.__dataclass_fields__)
-        values = {key: value for key, value in data.items() if key in known}
-        values.setdefault("version", 1)  # version 1 did not say its version
-        message = values.get("message")
-        values["message"] = MessageEnvelope.from_dict(message) if message else None
-        return cls(**values)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> DeadLetter:
-        return cls.from_dict(json.loads(text))
-
-    @property
-    def args(self) -> list[Any]:
-        """The task's positional arguments, decoded (JSON, msgpack or YAML bodies;
-        empty when the body cannot be decoded that way). Use :meth:`payload`
-        with the app's ``accept_content`` for other content types."""
-        return self._safe_payload()[0]
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        """The task's keyword arguments, decoded as :attr:`args` is."""
-        return self._safe_payload()[1]
-
-    def _safe_payload(self) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
-        try:
-            return self.payload(SAFE_CONTENT)
-        except Exception:
-            return [], {}, {}
-
-    @property
-    def headers_as_delivered(self) -> Mapping[str, Any]:
-        """The message's headers (none without a message)."""
-        return self.message.headers if self.message is not None else {}
-
-    def payload(self, accept: Any) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
-        """``(args, kwargs, embed)`` of the task, decoded for display only.
-
-        ``accept``: the app's ``accept_content``. Raises what kombu raises when
-        the body cannot (or may not) be decoded. ``embed`` holds the canvas
-        fields of a protocol 2 body (``callbacks``, ``errbacks``, ``chain``,
-        ``chord``).
-        """
-        if self.message is None:
-            raise ValueError(f"{self.task_id}: no message kept (envelope version {self.version})")
-        return self.message.task_payload(accept)
+def dead_letter_keys(settings: Settings) -> Keys:
+    """The key names of the dead letters of ``settings``: on a Redis Cluster
+    (a RabbitMQ broker with ``tooleffect_redis_cluster``) all in the one slot
+    ``{dlq}``, so that each script below touches one slot; else as they
+    always were (per-queue keys tagged ``{dlq:<queue>}``, indexes untagged)."""
+    return Keys(settings.key_prefix,
+                dead_letters_in_one_slot=settings.dead_letter_endpoint.cluster)
 
 
 class DeadLetters:
@@ -172,7 +81,7 @@ class DeadLetters:
 
     def __init__(self, app: Celery, settings: Settings | None = None) -> None:
         self.settings = settings or settings_for(app)
-        self.keys = Keys(self.settings.key_prefix)
+        self.keys = dead_letter_keys(self.settings)
 
     @property
     def client(self) -> redis.Redis:
@@ -279,7 +188,7 @@ class DeadLetters:
             return []
         return self.page(DeadLetterQuery(queue=queue), limit=limit).letters
 
-    # -- indexes, paging, counts and removal -------------------------------------
+    # -- paging and counts, read through the indexes (dead_letter_indexes) -------
 
     def shared_index_keys(self, letter: DeadLetter) -> builtins.list[str]:
         """The indexes besides its queue's that list ``letter``: all queues, and its facets."""
@@ -306,47 +215,7 @@ class DeadLetters:
         """
         query = query or DeadLetterQuery()
         limit = max(int(limit), 1)
-        keys = self._query_keys(query)
-        client = self.client
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.zcard(key)
-        sizes = [int(size) for size in pipe.execute()]
-        ordered = [key for _, key in sorted(zip(sizes, keys, strict=True))]
-        primary, others = ordered[0], ordered[1:]
-        total = min(sizes) if not others else None
-        if min(sizes) == 0:
-            return DeadLetterPage([], None, 0 if total is not None else None)
-
-        wanted = limit + 1  # one more than asked: tells whether a next page exists
-        chunk = wanted if not others else max(4 * wanted, 200)
-        found: builtins.list[tuple[bytes, float]] = []
-        cursor = before
-        while len(found) < wanted:
-            entries, exhausted = _older(client, primary, cursor, chunk)
-            if not entries:
-                break
-            cursor = Cursor(entries[-1][1], text(entries[-1][0]))
-            if others:
-                members = [member for member, _ in entries]
-                pipe = client.pipeline(transaction=False)
-                for key in others:
-                    pipe.zmscore(key, members)  # type: ignore[arg-type]
-                present = pipe.execute()
-                entries = [
-                    entry for i, entry in enumerate(entries)
-                    if all(scores[i] is not None for scores in present)
-                ]
-            found.extend(entries)
-            if exhausted:
-                break
-            if others:  # rare matches: read further ahead each time
-                chunk = min(chunk * 2, 5000)
-        more = len(found) > limit
-        found = found[:limit]
-        letters = self._read_envelopes([text(member) for member, _ in found], query.queue)
-        next_cursor = Cursor(found[-1][1], text(found[-1][0])) if more and found else None
-        return DeadLetterPage(letters, next_cursor, total)
+        return read_page(self.client, self.keys, query, limit, before)
 
     def matching_ids(
         self, query: DeadLetterQuery | None = None, *, older_than: float | None = None,
@@ -374,7 +243,7 @@ class DeadLetters:
         not in them (they are in :meth:`stats`' per-facet counts).
         """
         try:
-            return _counts(self.client.hgetall(self.keys.dead_letter_counts))
+            return counts_of(self.client.hgetall(self.keys.dead_letter_counts))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
 
@@ -388,17 +257,9 @@ class DeadLetters:
         """
         try:
             queues = self.queues()
-            pipe = self.client.pipeline(transaction=False)
-            for queue in queues:
-                pipe.zrevrange(self.keys.dead_letter_index(queue), -1, -1, withscores=True)
-            replies = pipe.execute() if queues else []
+            return read_oldest(self.client, self.keys, queues)
         except redis.RedisError as exc:
             raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
-        return {
-            queue: entries[0][1]
-            for queue, reply in zip(queues, replies, strict=True)
-            if (entries := _entries(reply))
-        }
 
     def backlog(self) -> dict[str, QueueBacklog]:
         """How many unresolved dead letters each queue holds and when its oldest
@@ -410,20 +271,9 @@ class DeadLetters:
         """
         try:
             queues = self.queues()
-            pipe = self.client.pipeline(transaction=False)
-            for queue in queues:
-                index = self.keys.dead_letter_index(queue)
-                pipe.zcard(index)
-                pipe.zrevrange(index, -1, -1, withscores=True)
-            replies = pipe.execute() if queues else []
+            return read_backlog(self.client, self.keys, queues)
         except redis.RedisError as exc:
             raise StoreUnavailable(f"dead letters unavailable: {exc}") from exc
-        found: dict[str, QueueBacklog] = {}
-        for i, queue in enumerate(queues):
-            count, oldest = int(replies[2 * i]), _entries(replies[2 * i + 1])
-            if count and oldest:
-                found[queue] = QueueBacklog(queue, count, oldest[0][1])
-        return found
 
     def stats(self) -> DeadLetterStats:
         """How many dead letters there are, by queue, reason, failure class and effect,
@@ -432,43 +282,9 @@ class DeadLetters:
         Three round trips whatever the number of dead letters: the counts are
         the sizes of the indexes, and the joint counts one ``HGETALL``.
         """
-        client = self.client
-        pipe = client.pipeline(transaction=False)
-        pipe.smembers(self.keys.dead_letter_queues)
-        pipe.smembers(self.keys.dead_letter_facets)
-        queue_members, facet_members = pipe.execute()
-        queues = sorted(text(member) for member in queue_members)
-        facets = sorted(
-            tuple(text(member).split(":", 1)) for member in facet_members
-            if ":" in text(member)
-        )
-        pipe = client.pipeline(transaction=False)
-        pipe.hgetall(self.keys.dead_letter_counts)
-        pipe.zcard(self.keys.dead_letter_all)
-        pipe.hlen(self.keys.dead_letter_replaying)
-        for queue in queues:
-            pipe.zcard(self.keys.dead_letter_index(queue))
-        for facet, value in facets:
-            pipe.zcard(self.keys.dead_letter_facet(facet, value))
-        joint, *sizes = pipe.execute()
-        total, replaying, *counts = (int(count) for count in sizes)
-        by: dict[str, dict[str, int]] = {facet: {} for facet in FACETS}
-        by_queue = {
-            queue: count for queue, count in zip(queues, counts[: len(queues)], strict=True)
-            if count
-        }
-        for (facet, value), count in zip(facets, counts[len(queues):], strict=True):
-            if count and facet in by:
-                by[facet][value] = count
-        return DeadLetterStats(
-            total=total,
-            by_queue=by_queue,
-            by_reason=by["reason"],
-            by_failure_class=by["failure_class"],
-            by_effect=by["effect"],
-            replay_pending=replaying,
-            by_combination=_counts(joint),
-        )
+        return read_stats(self.client, self.keys)
+
+    # -- taking and removing: one script each, with every index entry -----------
 
     def take(self, task_id: str) -> DeadLetter | None:
         """Move the dead letter of ``task_id`` aside for a replay; None if there is none.
@@ -598,49 +414,6 @@ class DeadLetters:
                 return letter
         return None
 
-    def _query_keys(self, query: DeadLetterQuery) -> builtins.list[str]:
-        keys: builtins.list[str] = []
-        if query.queue:
-            keys.append(self.keys.dead_letter_index(query.queue))
-        for facet, value in query.facets():
-            keys.append(self.keys.dead_letter_facet(facet, value))
-        return keys or [self.keys.dead_letter_all]
-
-    def _read_envelopes(
-        self, task_ids: builtins.list[str], queue: str | None
-    ) -> builtins.list[DeadLetter]:
-        if not task_ids:
-            return []
-        client = self.client
-        if queue is not None:
-            queues: builtins.list[Any] = [queue] * len(task_ids)
-        else:
-            queues = list(client.hmget(self.keys.dead_letter_locations, task_ids))
-        pipe = client.pipeline(transaction=False)
-        located = [
-            (task_id, text(where)) for task_id, where in zip(task_ids, queues, strict=True)
-            if where is not None
-        ]
-        for task_id, where in located:
-            pipe.hget(self.keys.dead_letters(where), task_id)
-        return [DeadLetter.from_json(raw) for raw in pipe.execute() if raw is not None]
-
-
-#: What a dead letter is indexed and counted by, besides its queue.
-FACETS = ("reason", "failure_class", "effect")
-
-
-def facets_of(letter: DeadLetter) -> list[tuple[str, str]]:
-    """``(facet, value)`` of each of ``letter``'s :data:`FACETS`."""
-    return [(facet, str(getattr(letter, facet) or "")) for facet in FACETS]
-
-
-def combination_field(letter: DeadLetter) -> str:
-    """``letter``'s field in the joint counts: a JSON array of its queue, reason,
-    failure class and effect (unambiguous whatever characters they hold)."""
-    values = [letter.queue, *(value for _, value in facets_of(letter))]
-    return json.dumps(values, ensure_ascii=False, separators=(",", ":"))
-
 
 @dataclass(frozen=True)
 class HeldLetter:
@@ -650,170 +423,3 @@ class HeldLetter:
     letter: DeadLetter
     raw: bytes
     queue: str
-
-
-@dataclass(frozen=True)
-class QueueBacklog:
-    """The unresolved dead letters of one queue: how many, and when the oldest
-    of them was stored (unix seconds)."""
-
-    queue: str
-    count: int
-    oldest_at: float
-
-
-def backlog_warnings(backlog: Mapping[str, QueueBacklog], settings: Settings,
-                     now: float) -> list[str]:
-    """What to warn about in ``backlog``: one line per queue holding more dead
-    letters than ``tooleffect_dead_letter_warn_count``, or one stored longer
-    ago than ``tooleffect_dead_letter_warn_age`` seconds; sorted by queue."""
-    warnings = []
-    for queue in sorted(backlog):
-        entry = backlog[queue]
-        age = max(now - entry.oldest_at, 0.0)
-        over = []
-        if entry.count > settings.dead_letter_warn_count:
-            over.append(f"more than tooleffect_dead_letter_warn_count "
-                        f"({settings.dead_letter_warn_count})")
-        if age > settings.dead_letter_warn_age:
-            over.append(f"older than tooleffect_dead_letter_warn_age "
-                        f"({settings.dead_letter_warn_age:g}s)")
-        if over:
-            warnings.append(
-                f"queue {queue!r} holds {entry.count} unresolved dead letter(s), the oldest "
-                f"stored {_duration(age)} ago: {' and '.join(over)}; replay or purge them "
-                f"(celery tooleffect dlq list -Q {shlex.quote(queue)})")
-    return warnings
-
-
-def _duration(seconds: float) -> str:
-    """``seconds`` in the largest whole unit: 45s, 12m, 5h, 3d."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{int(seconds // size)}{unit}"
-    return f"{int(seconds)}s"
-
-
-@dataclass(frozen=True)
-class DeadLetterCount:
-    """How many dead letters have this queue, reason, failure class and effect."""
-
-    queue: str
-    reason: str
-    failure_class: str
-    effect: str
-    count: int
-
-
-def _counts(reply: Mapping[Any, Any]) -> list[DeadLetterCount]:
-    """The joint counts hash as :class:`DeadLetterCount`, sorted; fields that are not
-    four strings, or counts not above 0, are left out."""
-    found: list[DeadLetterCount] = []
-    for raw_field, raw_count in reply.items():
-        try:
-            values = json.loads(raw_field)
-            count = int(raw_count)
-        except ValueError:
-            continue
-        if (count > 0 and isinstance(values, list) and len(values) == 4
-                and all(isinstance(value, str) for value in values)):
-            queue, reason, failure_class, effect = values
-            found.append(DeadLetterCount(queue, reason, failure_class, effect, count))
-    return sorted(found, key=lambda row: (row.queue, row.reason, row.failure_class, row.effect))
-
-
-@dataclass(frozen=True)
-class DeadLetterQuery:
-    """Which dead letters: every filter that is set must match (None: any)."""
-
-    queue: str | None = None
-    reason: str | None = None
-    failure_class: str | None = None
-    effect: str | None = None
-
-    def facets(self) -> list[tuple[str, str]]:
-        return [(facet, value) for facet in FACETS if (value := getattr(self, facet))]
-
-
-@dataclass(frozen=True)
-class Cursor:
-    """Where a page ended: the next page holds what was stored before it.
-
-    Its text form ``<time>:<task id>`` is what the CLI and the JSON API hand
-    out as ``next_cursor``.
-    """
-
-    stored_at: float
-    task_id: str
-
-    def encode(self) -> str:
-        return f"{self.stored_at!r}:{self.task_id}"
-
-    @classmethod
-    def decode(cls, value: str) -> Cursor:
-        stored_at, sep, task_id = value.partition(":")
-        if not sep:
-            raise ValueError(f"not a cursor: {value!r}")
-        return cls(float(stored_at), task_id)
-
-
-@dataclass(frozen=True)
-class DeadLetterPage:
-    """One page of dead letters, newest first."""
-
-    letters: list[DeadLetter]
-    #: Where the next page starts; None on the last page.
-    next_cursor: Cursor | None
-    #: How many dead letters match in all (None when not known without a walk).
-    total: int | None
-
-
-@dataclass(frozen=True)
-class DeadLetterStats:
-    """Dead-letter counts; only values with at least one dead letter are listed."""
-
-    total: int
-    by_queue: dict[str, int]
-    by_reason: dict[str, int]
-    by_failure_class: dict[str, int]
-    by_effect: dict[str, int]
-    #: Letters taken aside by a replay that has not finished.
-    replay_pending: int = 0
-    #: The joint counts (:meth:`DeadLetters.counts`): one entry per queue, reason,
-    #: failure class and effect with at least one letter.
-    by_combination: list[DeadLetterCount] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _older(
-    client: redis.Redis, key: str, cursor: Cursor | None, count: int
-) -> tuple[list[tuple[bytes, float]], bool]:
-    """Up to ``count`` entries of ``key``, newest first, strictly older than ``cursor``,
-    and whether the index ran out.
-
-    Entries with the cursor's own time are ordered by task id (as Redis
-    orders equal scores), so a cursor is exact even when times tie.
-    """
-    if cursor is None:
-        entries = _entries(client.zrevrange(key, 0, count - 1, withscores=True))
-        return entries, len(entries) < count
-    mark = cursor.task_id.encode()
-    skip = 0
-    while True:
-        batch = _entries(client.zrevrangebyscore(
-            key, repr(cursor.stored_at), "-inf", start=skip, num=count, withscores=True
-        ))
-        kept = [
-            (member, score) for member, score in batch
-            if not (score == cursor.stored_at and member >= mark)
-        ]
-        if kept or len(batch) < count:
-            return kept, len(batch) < count
-        skip += count
-
-
-def _entries(reply: Any) -> list[tuple[bytes, float]]:
-    """A sorted-set reply with scores, as ``(member, score)`` pairs."""
-    return [(bytes(member), float(score)) for member, score in reply]

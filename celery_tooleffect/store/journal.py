@@ -2,7 +2,7 @@
 
 The journal is the single arbiter for writes. Every transition is one atomic
 Lua script (``scripts/*.lua``) that also appends the matching audit event to
-the run's stream, so a transition and its audit record are stored together or
+the run's events, so a transition and its audit record are stored together or
 not at all.
 
 Its states and allowed moves are :mod:`celery_tooleffect.store.states`.
@@ -15,6 +15,8 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
 
 import redis
 
@@ -28,7 +30,7 @@ from .connections import one_round_trip
 from .durability import Durability
 from .keys import Keys
 from .leases import BrokerAck, BrokerLease
-from .lua import script
+from .lua import databases_argument, script
 from .rollback import INTENTS
 from .states import Ending, Verdict, allowed_argument
 
@@ -107,11 +109,18 @@ class Journal:
     def client(self) -> redis.Redis:
         return self.audit.client
 
+    @cached_property
+    def _store_identity(self) -> tuple[Any, ...]:
+        return self.settings.store_endpoint.identity()
+
+    @cached_property
+    def _store_db(self) -> int:
+        return self.settings.store_endpoint.db
+
     def _keys(self, ref: JournalRef) -> list[str]:
         return [
             self.keys.journal(ref.run_id, ref.task_id),
             self.keys.run_events(ref.run_id),
-            self.keys.run_seq(ref.run_id),
         ]
 
     def begin_attempt(
@@ -145,8 +154,9 @@ class Journal:
         ``AuditLog.copy_to_global``), so a write costs one round trip less.
         ``resume_interrupted``: the tool reconciled an interrupted attempt and
         found its write not applied, so a NON_IDEMPOTENT_WRITE may start again.
-        ``broker_lease`` (the broker is this Redis, without a cluster): secured
-        until ``broker_lease_end`` in the same script, before the intent; the
+        ``broker_lease`` (the broker is on this Redis server, in this database
+        or another, without a cluster): secured until ``broker_lease_end`` in
+        the same script, before the intent; the
         verdict is LEASE_BUSY or LEASE_LOST, with nothing recorded, when it
         cannot be.
 
@@ -164,7 +174,7 @@ class Journal:
             lease_args = [broker_lease.tag, f"{broker_lease.score_for(broker_lease_end):.6f}"]
         writer = "" if self.settings.redis_cluster else self.keys.writer(INTENTS.name)
         # The count is the store's: two stores under one prefix count apart.
-        counted = f"{self.settings.store_endpoint.identity()}{writer}"
+        counted = f"{self._store_identity}{writer}"
         if writer:
             keys += [writer, self.keys.rollback]
         args: list[str | int] = [
@@ -181,7 +191,9 @@ class Journal:
             call_digest,
             INTENTS.seen(counted) if writer else "",
             "first" if first_delivery else "" if sent_at is None else f"{sent_at:.6f}",
-            *flatten(event),
+            databases_argument(self._store_db, None,
+                               broker_lease.db if broker_lease is not None else None),
+            *self.audit.sealed(event),
         ]
         begin = script("begin_attempt")
         # The package's own packing, one write and one read (redis-py's command
@@ -231,7 +243,10 @@ class Journal:
         if verdict is Verdict.CONFLICT:
             return replace(result, recorded_tool=text(extra[0]))
         if verdict in (Verdict.DONE, Verdict.DEAD_LETTERED):
-            self.audit.copy_to_global(event)
+            # As begin_attempt.lua stored it: a duplicate, not an intent.
+            self.audit.copy_to_global(event.amended(
+                phase="duplicate_ignored",
+                status="succeeded" if verdict is Verdict.DONE else "dead_lettered"))
         if verdict is Verdict.DONE and extra and extra[0]:
             return replace(result, kept_result=bytes(extra[0]), kept_content_type=text(extra[1]))
         return result
@@ -267,7 +282,7 @@ class Journal:
         journal_fields = flatten(fields or {})
         now = f"{time.time():.6f}"
 
-        event_fields = flatten(event)
+        event_fields = self.audit.sealed(event)
         # In the same round trip; the outcome's copy is skipped when a refusal
         # would store nothing.
         copies = []
@@ -296,6 +311,9 @@ class Journal:
                     (result.expires or 0) if result is not None else 0,
                     result.value if result is not None else "",
                     ack.tag if ack is not None else "",
+                    databases_argument(self._store_db,
+                                       result.db if result is not None else None,
+                                       ack.db if ack is not None else None),
                     *journal_fields,
                     *event_fields,
                 ],
@@ -364,6 +382,20 @@ class Journal:
         except ValueError:
             return ToolEffect.NON_IDEMPOTENT_WRITE  # unknown: the strictest
 
+    def release(self, refs: Sequence[JournalRef]) -> None:
+        """Let the entries of purged dead letters expire with the retention again
+        (a ``dead_lettered`` entry has no TTL while its letter exists), in one
+        round trip. Raises :class:`StoreUnavailable`."""
+        if not refs:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for ref in refs:
+            pipe.expire(self.keys.journal(ref.run_id, ref.task_id), self.settings.journal_ttl)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"journal unavailable: {exc}") from exc
+
     def read(self, ref: JournalRef) -> dict[str, str]:
         """The entry's fields (empty when there is none)."""
         try:
@@ -388,7 +420,7 @@ class Journal:
         The entry moves to ``replayed`` with attempt 0 (the replayed task has
         its whole attempt budget again) only from a state in ``allowed`` (or,
         with ``lapsed_running_ok``, from ``running`` whose lease has lapsed),
-        and, with ``refuse_late_outcome``, only when the run's stream holds no
+        and, with ``refuse_late_outcome``, only when the run's events hold no
         ``late_outcome`` of the task. Raises :class:`StoreUnavailable` when
         nothing could be stored.
         """
@@ -439,7 +471,7 @@ class Journal:
             ref.task_id,
             "1" if request.refuse_late_outcome else "0",
             "1" if request.lapsed_running_ok else "0",
-            *flatten(request.event),
+            *self.audit.sealed(request.event),
         ]
 
 

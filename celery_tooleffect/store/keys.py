@@ -1,12 +1,18 @@
 """Redis key names, all under one prefix.
 
-The atomic unit is a run: its journal entries, its audit stream and its event
-counter share the hash tag ``{run_id}`` so that the transition scripts work on
-Redis Cluster. Dead-letter keys share the tag ``{dlq:<queue>}``.
+The atomic unit is a run: its journal entries and its audit events share the
+hash tag ``{run_id}`` so that the transition scripts work on Redis Cluster.
+Dead-letter keys share the tag ``{dlq:<queue>}`` on a single Redis; on a
+Redis Cluster (``Keys(prefix, dead_letters_in_one_slot=True)``) every
+dead-letter key, the indexes across queues included, shares the one tag
+``{dlq}``, so that the dead-letter scripts, which keep a letter and all its
+index entries together, touch one slot. Only dead-lettering, replaying,
+purging and listing touch that slot: no tool call does.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 
@@ -25,11 +31,32 @@ def unescape_hash_tag(value: str) -> str:
     return value.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
 
 
+#: The streams of the global copy on a Redis Cluster store: 16 slots spread
+#: over the nodes, where one stream would put every call's copy on one node.
+GLOBAL_STREAM_SHARDS = 16
+
+
 @dataclass(frozen=True)
 class Keys:
     """Key names under ``prefix``."""
 
     prefix: str = "tooleffect:"
+    #: The dead letters are kept on a Redis Cluster: every dead-letter key is
+    #: named ``<prefix>{dlq}:...``, in one slot (see the module's docstring).
+    dead_letters_in_one_slot: bool = False
+    #: How many streams the global copy is spread over: 1 on a single Redis,
+    #: :data:`GLOBAL_STREAM_SHARDS` on a Redis Cluster (:func:`store_keys`).
+    global_stream_shards: int = 1
+
+    def _dlq(self, name: str, queue: str | None = None) -> str:
+        """A dead-letter key: ``name`` of ``queue`` (a per-queue key) or of all queues."""
+        if self.dead_letters_in_one_slot:
+            if queue is None:
+                return f"{self.prefix}{{dlq}}:{name}"
+            return f"{self.prefix}{{dlq}}:queue:{_facet(queue)}:{name}"
+        if queue is None:
+            return f"{self.prefix}dlq:{name}"
+        return f"{self.prefix}{{dlq:{hash_tag(queue)}}}:{name}"
 
     def run(self, run_id: str) -> str:
         # Redis ignores an empty tag ("{}") and hashes the whole key, which
@@ -42,17 +69,32 @@ class Keys:
         return f"{self.run(run_id)}:journal:{task_id}"
 
     def run_events(self, run_id: str) -> str:
-        """The audit stream of one run."""
+        """The audit events of one run: a list, its header first
+        (:mod:`celery_tooleffect.store.chain`)."""
         return f"{self.run(run_id)}:events"
-
-    def run_seq(self, run_id: str) -> str:
-        """The chain of a run's audit events: their counter and the newest hash."""
-        return f"{self.run(run_id)}:seq"
 
     @property
     def global_events(self) -> str:
-        """The stream all events are copied to, best effort, for tailing."""
+        """The stream all events are copied to, best effort, for tailing (on a
+        single Redis; on a cluster, :attr:`global_streams`)."""
         return f"{self.prefix}events"
+
+    @property
+    def global_streams(self) -> list[str]:
+        """Every stream of the global copy: :attr:`global_events` alone, or on a
+        Redis Cluster :data:`GLOBAL_STREAM_SHARDS` streams ``<prefix>events:{<n>}``,
+        each in a slot of its own, so that no slot takes every call's copy."""
+        if self.global_stream_shards == 1:
+            return [self.global_events]
+        return [f"{self.prefix}events:{{{n}}}" for n in range(self.global_stream_shards)]
+
+    def global_stream(self, run_id: str) -> str:
+        """The global stream a run's events are copied to (one per run, so a run's
+        copies keep their order)."""
+        if self.global_stream_shards == 1:
+            return self.global_events
+        shard = zlib.crc32(run_id.encode("utf-8", "surrogatepass")) % self.global_stream_shards
+        return f"{self.prefix}events:{{{shard}}}"
 
     def writer(self, process: str) -> str:
         """The count of intents one worker process had acknowledged, as the
@@ -66,51 +108,51 @@ class Keys:
 
     def dead_letters(self, queue: str) -> str:
         """The hash of dead-letter envelopes of ``queue``, by task id."""
-        return f"{self.prefix}{{dlq:{hash_tag(queue)}}}:envelopes"
+        return self._dlq("envelopes", queue)
 
     def dead_letter_index(self, queue: str) -> str:
         """The sorted set of a queue's dead letters by the time they were stored."""
-        return f"{self.prefix}{{dlq:{hash_tag(queue)}}}:index"
+        return self._dlq("index", queue)
 
     @property
     def dead_letter_queues(self) -> str:
         """The set of queues that have (or had) dead letters."""
-        return f"{self.prefix}dlq:queues"
+        return self._dlq("queues")
 
     @property
     def dead_letter_locations(self) -> str:
         """Task id to queue, so that a dead letter is found by task id alone."""
-        return f"{self.prefix}dlq:where"
+        return self._dlq("where")
 
     # -- dead-letter indexes (paging and counts without scans) ---------------
 
     @property
     def dead_letter_all(self) -> str:
         """The sorted set of every queue's dead letters by the time they were stored."""
-        return f"{self.prefix}dlq:index"
+        return self._dlq("index")
 
     def dead_letter_facet(self, facet: str, value: str) -> str:
         """The sorted set, by time, of the dead letters whose ``facet`` is ``value``.
 
         ``facet`` is ``reason``, ``failure_class`` or ``effect``.
         """
-        return f"{self.prefix}dlq:by:{facet}:{hash_tag(value)}"
+        return self._dlq(f"by:{facet}:{hash_tag(value)}")
 
     @property
     def dead_letter_facets(self) -> str:
         """The set of ``facet:value`` pairs that have (or had) dead letters."""
-        return f"{self.prefix}dlq:facets"
+        return self._dlq("facets")
 
     @property
     def dead_letter_counts(self) -> str:
         """The number of dead letters of each queue, reason, failure class and effect
         together (a hash; field: the four values as a JSON array)."""
-        return f"{self.prefix}dlq:counts"
+        return self._dlq("counts")
 
     @property
     def dead_letter_replaying(self) -> str:
         """Dead letters taken out of the store by a replay that has not finished yet."""
-        return f"{self.prefix}dlq:replaying"
+        return self._dlq("replaying")
 
     def call_claim(self, task_id: str) -> str:
         """The publish-time claim of a task id (a hash: its tool and argument
@@ -154,3 +196,10 @@ class Keys:
         if tool is not None:
             key += f":tool:{_facet(tool)}"
         return key
+
+
+def store_keys(prefix: str, *, cluster: bool) -> Keys:
+    """The key names of a store under ``prefix``; ``cluster``: the store is a
+    Redis Cluster, whose global copy is spread over :data:`GLOBAL_STREAM_SHARDS`
+    streams."""
+    return Keys(prefix, global_stream_shards=GLOBAL_STREAM_SHARDS if cluster else 1)

@@ -28,8 +28,8 @@ import redis
 
 from ..choices import Choice
 from ..settings import Settings
-from ..store.connections import client_for
-from ..store.lua import script
+from .connections import client_for
+from .lua import script
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,10 @@ class BrokerLease:
     index_key: str
     mutex_key: str
     visibility_timeout: float
+    #: The broker's database when it is not the store's: a store script that
+    #: secures this lease selects it (``Journal.begin_attempt``); None when it
+    #: is the store's, or when no store script can reach the broker.
+    db: int | None = None
 
     def score_for(self, lease_end: float) -> float:
         """The ``unacked_index`` score that keeps the message until ``lease_end``."""
@@ -69,6 +73,10 @@ class BrokerAck:
     tag: str
     unacked_key: str
     index_key: str
+    #: The broker's database when it is not the store's (one server, several
+    #: databases: the script selects it for the acknowledgement); None when
+    #: it is the store's.
+    db: int | None = None
 
 
 class Leases:
@@ -107,6 +115,28 @@ class Leases:
             return False
         return broker.identity() == settings.store_endpoint.identity()
 
+    @cached_property
+    def reaches_the_broker(self) -> bool:
+        """Whether the store's scripts can reach the broker's keys (acknowledge
+        a message, secure its lease): the broker is on the store's server as
+        the same user (no cluster, not a failover list), in the store's
+        database or another one (the script then selects the broker's: on
+        Redis a script's ``SELECT`` is its own and leaves the connection's
+        database as it was)."""
+        settings = self.settings
+        broker = settings.broker_redis
+        if broker is None or settings.redis_cluster or settings.store_endpoint.cluster or (
+                ";" in settings.broker_url and not broker.behind_sentinel):
+            return False
+        return broker.reach() == settings.store_endpoint.reach()
+
+    @cached_property
+    def _ack_db(self) -> int | None:
+        broker = self.settings.broker_redis
+        if broker is None or broker.db == self.settings.store_endpoint.db:
+            return None
+        return broker.db
+
     @property
     def client(self) -> redis.Redis:
         assert self.settings.broker_redis is not None, "leases need a Redis broker"
@@ -122,19 +152,21 @@ class Leases:
             index_key=self._index_key,
             mutex_key=self._mutex_key,
             visibility_timeout=self.settings.visibility_timeout,
+            db=self._ack_db if self.reaches_the_broker else None,
         )
 
     def broker_ack(self, properties: Mapping[str, Any] | None) -> BrokerAck | None:
         """The acknowledgement a store script can do for the message with these
-        properties: only when the broker is the store's Redis
-        (:attr:`shares_the_store`), else None."""
+        properties: only when the broker is on the store's Redis server
+        (:attr:`reaches_the_broker`), else None."""
         tag = (properties or {}).get("delivery_tag")
-        if tag is None or not self.supported or not self.shares_the_store:
+        if tag is None or not self.supported or not self.reaches_the_broker:
             return None
-        return BrokerAck(str(tag), self._unacked_key, self._index_key)
+        return BrokerAck(str(tag), self._unacked_key, self._index_key, self._ack_db)
 
     def acknowledge(self, ack: BrokerAck) -> None:
-        """Acknowledge the message alone (when no script could carry it)."""
+        """Acknowledge the message alone (when no script could carry it), on
+        the broker's own connection (its database)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.zrem(ack.index_key, ack.tag)
         pipe.hdel(ack.unacked_key, ack.tag)

@@ -18,7 +18,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from ..store.connections import Command, one_round_trip
+from .connections import Command, one_round_trip
 
 KeyOrArg = str | bytes | int | float
 
@@ -29,6 +29,7 @@ class LuaScript:
     def __init__(self, name: str, text: str) -> None:
         self.name = name
         self.text = text
+        # SHA-1: the name Redis gives a script (EVALSHA), not a choice.
         self.sha = hashlib.sha1(text.encode()).hexdigest()
 
     def __call__(
@@ -139,6 +140,16 @@ class LuaScript:
 
     def __repr__(self) -> str:
         return f"LuaScript({self.name!r}, sha={self.sha[:12]})"
+
+
+def databases_argument(store_db: int, result_db: int | None, broker_db: int | None) -> str:
+    """The databases argument of a script that stores a result or acknowledges
+    a message (``prelude.lua``'s ``databases``): '' when both are in the
+    store's database (None), else the three database numbers."""
+    if result_db is None and broker_db is None:
+        return ""
+    return (f"{store_db} {store_db if result_db is None else result_db} "
+            f"{store_db if broker_db is None else broker_db}")
 
 
 @functools.cache

@@ -1,16 +1,16 @@
-"""A run's calls, read from its audit stream one page at a time.
+"""A run's calls, read from its audit events one page at a time.
 
-A run's audit stream (:meth:`Keys.run_events`) holds every event of every call
-of the run, in the order they were stored. :meth:`RunCalls.page` groups them
-by task id into :class:`CallSummary` records, in the order each call first
-appears, ``limit`` calls a page. A page starts at a stream entry id (its
-cursor: the first event of its first call) and reads the stream from there in
-chunks, so its cost is bounded whatever the run's length: it stops once it
-holds ``limit`` calls and has read ``lookahead`` more events for their later
-events (a call's outcome comes after other calls' intents), or at
-``max_events``. A call whose events go on past what a page read is marked
-``partial``; the next page, which starts at the first call not shown, never
-shows a call twice.
+A run's events (:meth:`Keys.run_events`, a list: :mod:`.chain`) are every
+event of every call of the run, in the order they were stored.
+:meth:`RunCalls.page` groups them by task id into :class:`CallSummary`
+records, in the order each call first appears, ``limit`` calls a page. A page
+starts at an event's ``seq`` (its cursor: the first event of its first call)
+and reads the list from there in chunks, so its cost is bounded whatever the
+run's length: it stops once it holds ``limit`` calls and has read
+``lookahead`` more events for their later events (a call's outcome comes
+after other calls' intents), or at ``max_events``. A call whose events go
+on past what a page read is marked ``partial``; the next page, which starts
+at the first call not shown, never shows a call twice.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .audit import AuditLog, _decode, text
+from .audit import AuditLog
+from .chain import Element, Header, stored
 
-#: Events read per XRANGE.
+#: Events read per LRANGE.
 CHUNK = 1000
 
 
@@ -53,6 +54,9 @@ class CallSummary:
     dead_letter_reason: str = ""
     #: The approval's last status (``requested``, ``approved``, ...), if it had one.
     approval: str = ""
+    #: Who made the call: its ``tooleffect_caller`` header as its events
+    #: record it (compact JSON; '' when it names nobody).
+    caller: str = ""
     events: int = 0
     #: Its events go on past what the page read.
     partial: bool = False
@@ -81,18 +85,19 @@ class CallSummary:
             "failure_class": self.failure_class or None,
             "exception_type": self.exception_type or None,
             "dead_letter_reason": self.dead_letter_reason or None,
-            "approval": self.approval or None, "events": self.events,
+            "approval": self.approval or None, "caller": self.caller or None,
+            "events": self.events,
             "partial": self.partial,
         }
 
     def add(self, event: Mapping[str, str]) -> None:
-        """Take one more of its events (in stream order) into account."""
+        """Take one more of its events (in stored order) into account."""
         ts = _number(event.get("ts"))
         if not self.events:
             self.first_ts = ts
         self.events += 1
         self.last_ts = max(self.last_ts, ts)
-        for name in ("tool", "effect", "queue"):
+        for name in ("tool", "effect", "queue", "caller"):
             if event.get(name) and not getattr(self, name):
                 setattr(self, name, event[name])
         attempt = int(_number(event.get("attempt")))
@@ -169,7 +174,7 @@ class RunPage:
     calls: list[CallSummary]
     #: The cursor of the next page; None on the last.
     next_cursor: str | None
-    #: Stream entries this page read (its cost).
+    #: Events this page read (its cost).
     events_read: int
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,55 +183,72 @@ class RunPage:
 
 
 class RunCalls:
-    """Reads a run's calls from its audit stream (:class:`AuditLog`'s store)."""
+    """Reads a run's calls from its audit events (:class:`AuditLog`'s store)."""
 
     def __init__(self, audit: AuditLog) -> None:
         self.audit = audit
 
     def page(self, run_id: str, *, cursor: str | None = None, limit: int = 200,
              lookahead: int = 2000, max_events: int = 20_000) -> RunPage:
-        """``limit`` calls of ``run_id`` from ``cursor`` (a stream entry id; None:
-        the first), in the order they first appear (see the module docs)."""
+        """``limit`` calls of ``run_id`` from ``cursor`` (an event's seq; None, or
+        one no longer stored: the first kept), in the order they first appear
+        (see the module docs)."""
         client = self.audit.client
         key = self.audit.keys.run_events(run_id)
         calls: dict[str, CallSummary] = {}
-        start = cursor or "-"
+        wanted = _seq(cursor)
         next_cursor: str | None = None
         read = 0
         past_limit = 0
         exhausted = False
         while read < max_events:
-            entries: list[Any] = client.xrange(key, min=start, count=CHUNK) or []
+            # The header first: trimming moves where a seq is.
+            first = stored([client.lindex(key, 0) or b""])[0]
+            header = Header.parse(first)
+            base = header.base_seq if header is not None else 0
+            start = max(wanted - base, 1) if wanted else 1
+            # And the event before: an outcome takes its task from it.
+            entries = stored(client.lrange(key, max(start - 1, 1), start + CHUNK - 1))
+            element = Element.parse(0, entries.pop(0)) if start > 1 and entries else None
             if not entries:
                 exhausted = True
                 break
-            for entry_id, fields in entries:
+            for number, raw in enumerate(entries, base + start):
                 read += 1
-                event = _decode(fields)
+                element = Element.parse(number, raw, element)
+                event = element.fields(run_id)
                 task_id = event.get("task_id", "")
                 if task_id not in calls:
                     if len(calls) >= limit:
                         if next_cursor is None:
-                            next_cursor = text(entry_id)
+                            next_cursor = str(number)
                         past_limit += 1
                         continue
                     calls[task_id] = CallSummary(task_id)
                 elif next_cursor is not None:
                     past_limit += 1
                 calls[task_id].add(event)
+            wanted = base + start + len(entries)
             if len(entries) < CHUNK:
                 exhausted = True
                 break
             if next_cursor is not None and past_limit >= lookahead:
                 break
-            start = "(" + text(entries[-1][0])
         if not exhausted:
             for call in calls.values():
                 if call.state in ("running", "queued", "awaiting_approval", "retrying", ""):
                     call.partial = True
             if next_cursor is None:  # max_events read inside this page's calls
-                next_cursor = start if start != "-" else None
+                next_cursor = str(wanted) if read else None
         return RunPage(run_id, list(calls.values()), next_cursor, read)
+
+
+def _seq(cursor: str | None) -> int:
+    """The seq a cursor names (0: none, or not a seq)."""
+    try:
+        return max(int(cursor or 0), 0)
+    except ValueError:
+        return 0
 
 
 def _number(value: Any) -> float:

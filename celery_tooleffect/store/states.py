@@ -39,9 +39,20 @@ A call that needs a person's approval has a second, smaller machine
                                      pending --reject--> rejected --worker ends it FAILURE--> ended
                                      pending --timeout--> expired --worker ends it FAILURE--> ended
 
-Each decision is taken once: only ``pending`` may be decided. ``approved`` is
-where an approved call stays (every delivery of its task id runs under the
-journal's rules); ``ended`` is where a rejected or expired one stays.
+Who approves is the tool's :class:`~celery_tooleffect.states.Approver`. An
+operator approves ``pending`` calls (of a tool approved by ``both``, only once
+the user approved: ``user_approved``). The agent's user approves or rejects a
+call before it is published (``absent``: the agent SDK's pause) or once it is
+parked (``pending``); for a tool approved by both, the user's approval moves
+it to ``user_approved``, where it waits for an operator::
+
+    absent or pending --the user approves--> approved (user) | user_approved (both)
+    user_approved --an operator approves--> approved
+
+Rejection and expiry are taken from ``pending`` and ``user_approved``. Each
+decision is taken once. ``approved`` is where an approved call stays (every
+delivery of its task id runs under the journal's rules, if its arguments are
+those the decision was shown); ``ended`` is where a refused one stays.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from ..choices import Choice
 # The states themselves are public names (celery_tooleffect.states); imported
 # from here too, as they were defined here before.
 from ..states import ApprovalState as ApprovalState
+from ..states import Approver
 from ..states import JournalState as JournalState
 
 
@@ -87,6 +99,64 @@ class Verdict(Choice):
     #: The broker lease secured with the intent was refused (nothing recorded).
     LEASE_BUSY = "lease_busy"
     LEASE_LOST = "lease_lost"
+
+
+class DeliveryAction(Choice):
+    """What a delivery does with its :class:`Verdict` (:func:`delivery_action`)."""
+
+    __choice_name__ = "a delivery action"
+
+    #: The intent is recorded: the body runs.
+    RUN = "run"
+    #: An interactive call that ended before answers with the result its
+    #: journal entry kept (a tool called in a tool's body whose parent runs again).
+    RETURN_KEPT = "return_kept"
+    #: The call ended already (succeeded, dead-lettered, not run): the delivery
+    #: is acknowledged without running.
+    END_QUIETLY = "end_quietly"
+    #: A live owner runs the call: come back when its lease ends.
+    DEFER = "defer"
+    #: An interrupted NON_IDEMPOTENT_WRITE: ask the tool's ``reconcile``.
+    RECONCILE = "reconcile"
+    #: Earlier attempts spent the retry budget: a dead letter.
+    DEAD_LETTER_EXHAUSTED = "dead_letter_exhausted"
+    #: A dead letter was begun and not finished: finish it.
+    FINISH_DEAD_LETTER = "finish_dead_letter"
+    #: The task id is another call's: refused.
+    REFUSE_CONFLICT = "refuse_conflict"
+    #: The broker lease secured with the intent was refused: the message was
+    #: restored (its other copy runs) ...
+    LEASE_LOST = "lease_lost"
+    #: ... or kept busy (the delivery ends unrun, as a failure before the body).
+    LEASE_BUSY = "lease_busy"
+
+
+_DELIVERY_ACTIONS: dict[Verdict, DeliveryAction] = {
+    Verdict.STARTED: DeliveryAction.RUN,
+    Verdict.DONE: DeliveryAction.END_QUIETLY,
+    Verdict.DEAD_LETTERED: DeliveryAction.END_QUIETLY,
+    Verdict.NOT_RUN: DeliveryAction.END_QUIETLY,
+    Verdict.DEAD_LETTERING: DeliveryAction.FINISH_DEAD_LETTER,
+    Verdict.OWNED: DeliveryAction.DEFER,
+    Verdict.INTERRUPTED: DeliveryAction.RECONCILE,
+    Verdict.EXHAUSTED: DeliveryAction.DEAD_LETTER_EXHAUSTED,
+    Verdict.CONFLICT: DeliveryAction.REFUSE_CONFLICT,
+    Verdict.LEASE_BUSY: DeliveryAction.LEASE_BUSY,
+    Verdict.LEASE_LOST: DeliveryAction.LEASE_LOST,
+}
+
+
+def delivery_action(verdict: Verdict, *, interactive: bool, kept_result: bool) -> DeliveryAction:
+    """What a delivery does with ``begin_attempt``'s ``verdict``: a pure decision.
+
+    ``interactive``: the call is ``apply()``, eager or direct; ``kept_result``:
+    the journal entry answered with a result it kept. Only a finished call
+    depends on them: an interactive one answers with its kept result, any
+    other delivery of it ends quietly.
+    """
+    if verdict is Verdict.DONE and interactive and kept_result:
+        return DeliveryAction.RETURN_KEPT
+    return _DELIVERY_ACTIONS[verdict]
 
 
 S = JournalState
@@ -156,20 +226,32 @@ def allowed_argument(states: frozenset[JournalState]) -> str:
 
 A = ApprovalState
 
-#: A decision (approve, reject, expire) is taken from here only: once.
-DECIDE_FROM = frozenset({A.PENDING})
-#: A worker ends a refused call FAILURE from these.
+#: A rejection or an expiry is taken from here only: once.
+DECIDE_FROM = frozenset({A.PENDING, A.USER_APPROVED})
+#: The agent's user decides a parked call from here (a call not yet
+#: published has no record: ``absent``).
+USER_DECIDE_FROM = frozenset({A.PENDING})
+#: A worker ends a refused call FAILURE from these (and an approved one whose
+#: arguments are not those the decision was shown).
 END_REFUSED_FROM = frozenset({A.REJECTED, A.EXPIRED})
 #: Refused: the call never runs.
 REFUSED = END_REFUSED_FROM | {A.ENDED}
 
+
+def operator_approves_from(approver: Approver) -> frozenset[ApprovalState]:
+    """Where an operator's approval is taken from: a tool approved by both
+    waits for its user first."""
+    return frozenset({A.USER_APPROVED}) if approver is Approver.BOTH else frozenset({A.PENDING})
+
+
 #: Every move of an approval, as :data:`TRANSITIONS` for the journal.
 APPROVAL_TRANSITIONS: dict[ApprovalState, frozenset[ApprovalState]] = {
     A.PENDING: frozenset({A.ABSENT}),
-    A.APPROVED: DECIDE_FROM,
-    A.REJECTED: DECIDE_FROM,
+    A.USER_APPROVED: frozenset({A.ABSENT, A.PENDING}),
+    A.APPROVED: frozenset({A.ABSENT, A.PENDING, A.USER_APPROVED}),
+    A.REJECTED: frozenset({A.ABSENT}) | DECIDE_FROM,
     A.EXPIRED: DECIDE_FROM,
-    A.ENDED: END_REFUSED_FROM,
+    A.ENDED: END_REFUSED_FROM | {A.APPROVED},
 }
 
 

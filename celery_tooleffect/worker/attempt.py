@@ -2,7 +2,7 @@
 
 Built the same way in the pool process (from ``task.request``) and in the
 worker's main process (from the ``Request``), so both address the same journal
-entry and audit stream.
+entry and run's audit events.
 """
 
 from __future__ import annotations
@@ -12,30 +12,28 @@ import itertools
 import os
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..effect import ToolEffect
-from ..identity import joined
+from ..identity import CALL_ID_HEADER, CALLER_HEADER, MAX_CALLER_LENGTH, RUN_ID_HEADER, joined
 from ..store.audit import StepContext, worker_identity
 from ..store.envelope import REPLAY_HEADER
 from ..store.journal import JournalRef
 from ..store.rollback import SENT_AT_HEADER
 
-#: The ``tooleffect_*`` message headers a producer may set: the run id, the
-#: agent's call id, and the mark a dead-letter replay leaves (informational: workers decide from the
-#: journal, so setting it grants nothing).
-RUN_ID_HEADER = "tooleffect_run_id"
-#: The agent's own id of a tool call published with ``call_id=``
-#: (informational: the task id derived from it is the call's identity).
-CALL_ID_HEADER = "tooleffect_call_id"
 #: Set on every republish of a task from its own request (a retry, a
 #: deferral, ``ToolTask.signature_from_request``): the call may have run
 #: before, under another release's effect. It only makes a READ_ONLY worker
 #: ask the journal (one read), so a producer that sets it grants nothing.
 AGAIN_HEADER = "tooleffect_again"
-ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, CALL_ID_HEADER, REPLAY_HEADER, AGAIN_HEADER,
-                             SENT_AT_HEADER})
+#: The ``tooleffect_*`` message headers a producer may set: the run id, the
+#: agent's call id, who made the call (informational: recorded in the audit
+#: events, deciding nothing), the mark a dead-letter replay leaves (informational:
+#: workers decide from the journal, so setting it grants nothing), the mark of
+#: a republish and the time a message was sent.
+ALLOWED_HEADERS = frozenset({RUN_ID_HEADER, CALL_ID_HEADER, CALLER_HEADER, REPLAY_HEADER,
+                             AGAIN_HEADER, SENT_AT_HEADER})
 #: The option ``ToolTask.signature_from_request`` adds: a republish of a task
 #: from its own request (a retry, a deferral), which claims no id.
 REPUBLISH_OPTION = "_tooleffect_republish"
@@ -80,6 +78,17 @@ def resolve_run_id(fields: Mapping[str, Any], task_id: str) -> str:
     return str(fields.get("root_id") or task_id)
 
 
+def caller_of(fields: Mapping[str, Any]) -> str:
+    """Who made the call, as its ``tooleffect_caller`` header says ('' when it
+    says nothing, or nothing that is text); cut to ``MAX_CALLER_LENGTH``."""
+    nested = fields.get("headers")
+    for source in (fields, nested if isinstance(nested, Mapping) else {}):
+        value = source.get(CALLER_HEADER)
+        if isinstance(value, str) and value:
+            return value[:MAX_CALLER_LENGTH]
+    return ""
+
+
 def sent_at_of(fields: Mapping[str, Any]) -> float | None:
     """When the message was published (its ``tooleffect_sent_at`` header), or
     None when it does not say (a producer that did not stamp it)."""
@@ -116,6 +125,8 @@ class Attempt:
     #: When its message was published (None: the message does not say, or an
     #: interactive call): see :mod:`celery_tooleffect.store.rollback`.
     sent_at: float | None = None
+    #: Who made the call (:func:`caller_of`), recorded in its audit events.
+    caller: str = ""
 
     @classmethod
     def of(
@@ -145,6 +156,7 @@ class Attempt:
             retries=retries,
             again=delivered_again(fields, delivery_info, retries),
             sent_at=None if interactive else sent_at_of(fields),
+            caller=caller_of(fields),
         )
 
     @property
@@ -166,7 +178,20 @@ class Attempt:
             queue=self.queue,
             redelivered=self.redelivered,
             worker=worker_identity(),
+            caller=self.caller,
         )
+
+
+def handled_as(attempt: Attempt, recorded: ToolEffect | str | None) -> Attempt:
+    """``attempt`` under the effect its call is handled as: the strictest of the
+    one its tool declares here and ``recorded``, the one its journal entry
+    records (a release that declares the tool stricter recorded it; the
+    strictest effect wins, docs/identity.md). A recorded name that is no
+    effect counts as the strictest, as in ``begin_attempt.lua``; None or ''
+    (no entry, or none recorded) changes nothing. The one place this is
+    decided, for the pool process and the worker's main process."""
+    effect = ToolEffect.strictest(attempt.effect, recorded)
+    return attempt if effect is attempt.effect else replace(attempt, effect=effect)
 
 
 def delivered_again(fields: Mapping[str, Any], delivery_info: Mapping[str, Any] | None,

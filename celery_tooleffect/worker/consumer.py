@@ -69,7 +69,7 @@ a body that is not valid base64). kombu's own fetch pops it with ``BRPOP`` and
 fails while it builds the ``Message``, before the item is in ``unacked``: the
 item is lost, and the error leaves the event loop (a ``ValueError`` stops the
 worker, "Unrecoverable error"; a ``KeyError`` makes the consumer reconnect).
-The atomic fetch (:mod:`celery_tooleffect.store.transport`) records such an
+The atomic fetch (:mod:`celery_tooleffect.worker.transport`) records such an
 item unacknowledged as a kombu envelope of content type ``UNREADABLE`` whose
 body is the item's bytes, and delivers it: Celery's consumer cannot decode
 it and calls ``on_decode_error``, where it becomes a dead letter
@@ -92,12 +92,12 @@ from ..errors import StoreUnavailable
 from ..failures import FailureClass
 from ..states import DeadLetterReason
 from ..store.audit import StepContext
-from ..store.dead_letters import DeadLetter
+from ..store.dead_letter_record import DeadLetter
 from ..store.envelope import MessageEnvelope
 from ..store.runtime import runtime_for
-from ..store.transport import UNREADABLE
 from .attempt import Attempt
 from .letters import build_letter
+from .transport_unreadable import UNREADABLE
 
 logger = logging.getLogger(__name__)
 

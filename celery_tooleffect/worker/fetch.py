@@ -7,7 +7,7 @@ the transport class from the URL's scheme when the connection is first used
 (``Connection.get_transport_cls``), and again after a failover list switches
 URL. :func:`install_atomic_fetch` gives the app a ``Connection`` subclass whose
 ``get_transport_cls`` answers the package's transport
-(:mod:`celery_tooleffect.store.transport`) where kombu would answer its own
+(:mod:`celery_tooleffect.worker.transport`) where kombu would answer its own
 Redis or Redis Sentinel transport: every URL form (``redis://``,
 ``rediss://``, ``redis+socket://``, ``unix://``, ``sentinel://``, failover
 lists), nothing else. A transport class the app names itself
@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..settings import atomic_fetch_enabled
-from ..store.transport import ATOMIC
+from .transport import ATOMIC
 
 #: Set on the app's AMQP object once its Connection class is replaced.
 _INSTALLED = "_tooleffect_fetch_installed"

@@ -30,8 +30,20 @@ exception, pickled. So:
   acknowledges it.
 - **in the pool**: :class:`AttemptNotes`, what the pool process learns while it
   runs the attempt (the fencing token, whether it acknowledged the message, the
-  letter waiting for the ``ExceptionInfo``), one attribute of the request
-  (:func:`notes_of`); it never leaves the process.
+  letter waiting for the ``ExceptionInfo``, the error ``self.retry()`` raised
+  with the budget spent, the error already audited), one attribute of the
+  request (:func:`attempt_notes`); it never leaves the process. The same notes
+  serve a call run in any other process (``apply()``, eager) and the
+  approval gate's refusal in the main process, for what reads them in that
+  process: nothing is marked on an exception, which would travel with it
+  (to the main process, to a result backend).
+
+Nothing else crosses. What the main process keeps of a delivery
+(``ToolRequest``'s ``_tooleffect_*`` attributes) and marks on kombu's
+message (``worker/strategy.py``) stay in the main process; the
+``failure_class`` an interactive call's error is given is for its caller,
+in the process that called it (the main process classifies every failure
+the pool sends it again, with the same classifier).
 """
 
 from __future__ import annotations
@@ -42,7 +54,7 @@ from typing import Any
 from billiard.einfo import ExceptionInfo
 
 from ..errors import DeadLettered
-from ..store.dead_letters import DeadLetter
+from ..store.dead_letter_record import DeadLetter
 
 #: The request-dict key (and so the ``task.request`` attribute) of the
 #: :class:`Handoff`. Never taken from a message: a producer's header of this
@@ -105,10 +117,12 @@ def hide_handoff(request: Any) -> None:
 
 @dataclass
 class AttemptNotes:
-    """What the pool process learns while it runs one attempt, for what reads
-    it later in the same process: ``ToolTask.fencing_token`` in the body, the
-    acknowledgement after Celery stored the result (``ToolTask.after_return``),
-    and the ``task_failure`` handler. Never sent anywhere."""
+    """What the process that runs one attempt (the pool process, or the
+    caller's for ``apply()``) learns while it runs it, for what reads it later
+    in the same process: ``ToolTask.fencing_token`` in the body, the failure
+    handling (``worker/endings.py``), the acknowledgement after Celery stored
+    the result (``ToolTask.after_return``), and the ``task_failure`` handler.
+    Never sent anywhere."""
 
     #: The write's fencing token, once its intent is recorded.
     fencing_token: int | None = None
@@ -117,19 +131,26 @@ class AttemptNotes:
     #: A letter decided with the tool's own error as Celery's result, until the
     #: ``task_failure`` handler moves it onto the ``ExceptionInfo``.
     letter: PendingLetter | None = None
+    #: ``self.retry()`` found the retry budget spent: what it raised (Celery
+    #: raises the tool's ``exc``, or ``MaxRetriesExceededError``) and the
+    #: budget. Only that very error ends the attempt as RETRIES_EXHAUSTED.
+    retries_spent: tuple[BaseException, int] | None = None
+    #: A failure the package audited already (an interactive call's error, an
+    #: approval refused): the ``task_failure`` handler does not audit it again.
+    audited: BaseException | None = None
 
 
-def notes_of(request: Any) -> AttemptNotes:
+def attempt_notes(request: Any) -> AttemptNotes:
     """The :class:`AttemptNotes` of the attempt ``request`` (``task.request``)
     runs, made on first use."""
-    notes = noted(request)
+    notes = existing_notes(request)
     if notes is None:
         notes = AttemptNotes()
         setattr(request, NOTES_FIELD, notes)
     return notes
 
 
-def noted(request: Any) -> AttemptNotes | None:
+def existing_notes(request: Any) -> AttemptNotes | None:
     """The :class:`AttemptNotes` of ``request`` if its attempt made any (reading
     never makes them: outside a call ``task.request`` is a shared default)."""
     notes = getattr(request, NOTES_FIELD, None)
@@ -162,7 +183,7 @@ def hand_over(request: Any, rejection: DeadLettered) -> BaseException:
     letter = rejection.pending_letter
     if rejection.error is None or not isinstance(letter, PendingLetter) or letter.keep_result:
         return rejection
-    notes_of(request).letter = letter
+    attempt_notes(request).letter = letter
     return rejection.error
 
 
@@ -171,7 +192,7 @@ def send_letter(request: Any, einfo: Any) -> bool:
     onto ``einfo``, the ``ExceptionInfo`` Celery's tracer returns to the
     worker's main process; whether there was one. Called by the
     ``task_failure`` handler, after Celery stored the result."""
-    notes = noted(request)
+    notes = existing_notes(request)
     if notes is None or notes.letter is None:
         return False
     einfo.__dict__[LETTER_FIELD], notes.letter = notes.letter, None

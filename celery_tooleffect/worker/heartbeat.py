@@ -36,8 +36,8 @@ class LeasePlan:
     interval: float | None = None
     #: The broker lease secured until the deadline (None: none to secure).
     broker_lease: BrokerLease | None = None
-    #: The broker is the store's Redis: ``broker_lease`` is secured by the
-    #: intent's own script, not before it.
+    #: The broker is on the store's Redis server (any database):
+    #: ``broker_lease`` is secured by the intent's own script, not before it.
     lease_with_intent: bool = False
 
 
@@ -173,7 +173,16 @@ class Heartbeat:
 
 class _Beats:
     """The thread of one process that makes the renewals of its heartbeats, each
-    when it is due, one at a time (a renewal is one or two short Redis calls)."""
+    when it is due, one at a time (a renewal is one or two short Redis calls).
+
+    A heartbeat added is due one interval later than every one added before
+    it (the intervals of a process's tools are alike), so the thread is woken
+    only when the new one is due before the time it already waits for: a
+    write's start does not cost a switch to the thread and back. Short calls
+    end before their first beat, so the thread often finds nothing due; it
+    then lingers for the shortest interval it has seen (a heartbeat added
+    meanwhile is due no sooner, and does not wake it), and only after one
+    such wait with nothing due does it sleep until the next heartbeat."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
@@ -181,15 +190,25 @@ class _Beats:
         self._due: dict[Heartbeat, float] = {}
         self._renewing: Heartbeat | None = None
         self._thread: threading.Thread | None = None
+        #: When the thread wakes by itself (monotonic seconds): None while it
+        #: waits for a heartbeat, -inf while it renews (it looks at what is
+        #: due once it is done).
+        self._waking_at: float | None = None
+        #: The shortest interval of the heartbeats added (seconds).
+        self._shortest = float("inf")
+        #: The thread's last wait ended with nothing due.
+        self._lingered = False
 
     def add(self, heartbeat: Heartbeat, due: float) -> None:
         with self._changed:
             self._due[heartbeat] = due
+            self._shortest = min(self._shortest, due - time.monotonic())
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tooleffect-heartbeat",
                                                 daemon=True)
                 self._thread.start()
-            self._changed.notify_all()
+            if self._waking_at is None or due < self._waking_at:
+                self._changed.notify_all()
 
     def remove(self, heartbeat: Heartbeat) -> None:
         with self._changed:
@@ -203,15 +222,24 @@ class _Beats:
         while True:
             with self._changed:
                 if not self._due:
-                    self._changed.wait()
+                    if self._lingered or self._shortest == float("inf"):
+                        self._waking_at = None
+                        self._changed.wait()
+                    else:
+                        self._lingered = True
+                        self._waking_at = time.monotonic() + self._shortest
+                        self._changed.wait(self._shortest)
                     continue
+                self._lingered = False
                 heartbeat, due = min(self._due.items(), key=lambda item: item[1])
                 wait = due - time.monotonic()
                 if wait > 0:
+                    self._waking_at = due
                     self._changed.wait(wait)
                     continue
                 del self._due[heartbeat]
                 self._renewing = heartbeat
+                self._waking_at = float("-inf")
             again = False
             try:
                 again = heartbeat.beat()

@@ -28,7 +28,7 @@ from ..events import AuditEvent
 from ..failures import FailureClass
 from ..states import DeadLetterReason, JournalState
 from ..store import states
-from ..store.dead_letters import DeadLetter
+from ..store.dead_letter_record import DeadLetter
 from ..store.envelope import MessageEnvelope
 from ..store.runtime import ToolRuntime
 from .attempt import Attempt

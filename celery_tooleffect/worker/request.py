@@ -47,6 +47,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.transport.virtual.base import QoS as VirtualQoS
 
+from ..actions.reconciling import reconciler_of
 from ..effect import ToolEffect
 from ..errors import (
     DeadLettered,
@@ -62,8 +63,7 @@ from ..store import states
 from ..store.envelope import MessageEnvelope
 from ..store.runtime import ToolRuntime, runtime_for
 from ..store.states import Ending
-from .attempt import Attempt, forged_headers, new_token
-from .execution import reconciler
+from .attempt import Attempt, forged_headers, handled_as, new_token
 from .faults import crash_point
 from .handoff import (
     HANDOFF_FIELD,
@@ -94,11 +94,17 @@ class ToolRequest(Request):  # type: ignore[misc]
             ) from exc
         check_request(self._request_dict, self._payload)
         mark_built(message)
+        # What this process keeps of the delivery for its own later steps. Not
+        # part of the hand-off (worker/handoff.py): this object lives in the
+        # worker's main process only; the pool process gets the request dict.
+        #: The delivery is ended (here, or by the approval gate): once only.
         self._tooleffect_done = False
+        #: The failure class the ``task-failed`` event carries.
         self._tooleffect_failure_class: str | None = None
         #: Set when a dead letter's result is the tool's own error: the
         #: ``task-failed`` event still says it is a dead letter.
         self._tooleffect_dead_letter_reason: str | None = None
+        #: The pool process reported a success (Celery's ``on_success``).
         self._tooleffect_succeeded = False
         # What the pool process gets with the request (worker/handoff.py). The
         # forged headers are looked for before it is added: any tooleffect_*
@@ -157,9 +163,8 @@ class ToolRequest(Request):  # type: ignore[misc]
 
     def _as_recorded(self, attempt: Attempt) -> tuple[Attempt, str, bool]:
         """What the journal says of ``attempt``, of a tool that declares less than
-        NON_IDEMPOTENT_WRITE: ``attempt`` under the strictest of its declared
-        effect and the one its entry records (a release that declares the tool
-        stricter recorded it; the pool process then ran it under that effect),
+        NON_IDEMPOTENT_WRITE: ``attempt`` under the effect it is handled as
+        (:func:`handled_as`: the pool process ran it under that effect),
         the entry's state ('absent' without one), and whether this delivery's
         attempt owns the entry (running under its token).
 
@@ -168,10 +173,7 @@ class ToolRequest(Request):  # type: ignore[misc]
         entry = self.runtime.journal.read(attempt.ref)
         state = entry.get("state") or JournalState.ABSENT.value
         owned = state == JournalState.RUNNING.value and entry.get("owner") == attempt.token
-        effect = ToolEffect.strictest(attempt.effect, entry.get("effect"))
-        if effect is not attempt.effect:
-            attempt = replace(attempt, effect=effect)
-        return attempt, state, owned
+        return handled_as(attempt, entry.get("effect")), state, owned
 
     # -- endings decided here -------------------------------------------------
 
@@ -336,11 +338,11 @@ class ToolRequest(Request):  # type: ignore[misc]
             runtime.audit.record_step(event)
 
         if (attempt.effect is ToolEffect.NON_IDEMPOTENT_WRITE and body_started
-                and reconciler(self.task) is None):
+                and reconciler_of(self.task) is None):
             self._dead_letter(attempt, DeadLetterReason.INTERRUPTED_WRITE, exc, event)
         elif attempt.effect is ToolEffect.NON_IDEMPOTENT_WRITE and body_started:
             # The tool can tell whether the write happened: its next delivery
-            # finds the journal interrupted and asks it (execution._reconcile).
+            # finds the journal interrupted and asks it (worker/interrupted.py).
             self._run_again(attempt, exc)
         elif attempt.retries >= (budget := self.task.retry_policy.budget):
             self._dead_letter(

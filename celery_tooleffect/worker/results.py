@@ -1,13 +1,15 @@
 """Celery's result, stored by the write's own outcome script.
 
-When the result backend is Celery's Redis backend on the same server and
-database as the store (the common deployment: one Redis), or its Sentinel
+When the result backend is Celery's Redis backend on the same server as the
+store, as the same user (the common deployments: one Redis, or one Redis with
+results and store in a database apart from the broker's), or its Sentinel
 backend naming the same master through the same Sentinels, a write's result is
 stored inside the script that records its outcome, in exactly the key, format,
 expiry and PUBLISH of ``RedisBackend`` (``celery/backends/redis.py``:
 ``_store_result`` builds the meta with ``_get_result_meta``, encodes it, and
 ``_set`` SETs it with ``result_expires`` and PUBLISHes it on the key, which
-``AsyncResult.get()`` waits on). The task's request then says
+``AsyncResult.get()`` waits on; in the backend's database, which the script
+selects when it is not the store's). The task's request then says
 ``ignore_result``, which ``Backend.mark_as_done`` reads to skip its own store
 while it still tells a chord the part returned (``on_chord_part_return``).
 
@@ -21,23 +23,30 @@ Cluster store, ``ignore_result``, interactive runs) is left to Celery.
 
 from __future__ import annotations
 
+import logging
 import weakref
+from traceback import format_exception
 from typing import Any
 
 from celery import states as celery_states
 from celery.app.task import get_actual_ignore_result
 from celery.backends.base import DisabledBackend
+from celery.exceptions import Retry
 
 from ..endpoints import server_identity
 from ..store.audit import StoredResult
 from ..store.runtime import ToolRuntime
 
+logger = logging.getLogger(__name__)
+
 _same: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_db: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
 
 
 def backend_is_the_store(backend: Any, runtime: ToolRuntime) -> bool:
     """Whether ``backend`` is Celery's Redis (or Sentinel) backend on the store's
-    server (or master) and db, as the same user."""
+    server (or master), as the same user, in the store's database or another
+    one (:func:`backend_db`)."""
     cached = _same.get(backend)
     if cached is not None:
         return cached
@@ -45,12 +54,31 @@ def backend_is_the_store(backend: Any, runtime: ToolRuntime) -> bool:
     try:
         from celery.backends.redis import RedisBackend
 
-        if isinstance(backend, RedisBackend) and not runtime.settings.redis_cluster:
-            same = backend_identity(backend) == runtime.settings.store_endpoint.identity()
+        store = runtime.settings.store_endpoint
+        if (isinstance(backend, RedisBackend) and not runtime.settings.redis_cluster
+                and not store.cluster):
+            identity = backend_identity(backend)
+            same = identity is not None and _reach(identity) == store.reach()
     except Exception:
         same = False
     _same[backend] = same
     return same
+
+
+def backend_db(backend: Any, runtime: ToolRuntime) -> int | None:
+    """The database of a backend :func:`backend_is_the_store` accepted, when it
+    is not the store's (the outcome script selects it); None when it is."""
+    if backend in _db:
+        return _db[backend]
+    db: int | None = int(backend.connparams.get("db") or 0)
+    db = None if db == runtime.settings.store_endpoint.db else db
+    _db[backend] = db
+    return db
+
+
+def _reach(identity: tuple[Any, ...]) -> tuple[Any, ...]:
+    """:func:`backend_identity` without the database, as ``RedisEndpoint.reach``."""
+    return identity[:3] + identity[4:] if identity[0] == "sentinel" else identity[:2] + identity[3:]
 
 
 def backend_identity(backend: Any) -> tuple[Any, ...] | None:
@@ -98,7 +126,7 @@ def result_for_outcome(tool: Any, request: Any, result: Any,
         return None  # Celery raises its BackendStoreError
     expires = backend.expires
     return StoredResult(backend.get_key_for_task(request.id), value,
-                        int(expires) if expires else None)
+                        int(expires) if expires else None, backend_db(backend, runtime))
 
 
 def check_storable(tool: Any, request: Any, result: Any) -> None:
@@ -112,9 +140,39 @@ def check_storable(tool: Any, request: Any, result: Any) -> None:
         backend.encode(backend.encode_result(result, celery_states.SUCCESS))
 
 
+def store_retry_first(tool: Any, request: Any, raised: BaseException) -> bool:
+    """Store Celery's RETRY state of this call now, before its retry can run.
+
+    Celery publishes a retry (``Task.retry``) before its tracer stores RETRY
+    (``TraceInfo.handle_retry``), and ``_store_result``'s guard against
+    overwriting a SUCCESS is a GET then a SET: a retry whose countdown is
+    near 0 (``retry_jitter``) can run and store its SUCCESS between them, and
+    the call's state then stays RETRY although it succeeded. Stored here,
+    before the retry is published and before the journal lets another
+    delivery begin, RETRY always comes first. True when stored; the caller
+    then tells the tracer (:func:`stored_by_the_outcome`) once the retry is
+    published, so that the retry's own options do not carry ``ignore_result``.
+    False (Celery stores it, as always) for a result Celery would not store,
+    or when the store failed (logged). ``raised``: Celery's ``Retry`` (its
+    ``exc`` is stored, as the tracer stores it) or the failure retried."""
+    if request.is_eager or request.called_directly or _ignored(tool, request):
+        return False
+    exc = raised.exc if isinstance(raised, Retry) else raised
+    traceback = "".join(format_exception(type(raised), raised, raised.__traceback__))
+    try:
+        tool.backend.mark_as_retry(request.id, exc, traceback, request=request)
+    except Exception as failed:
+        logger.warning("RETRY state of %s[%s] not stored before its retry (%s: %s); "
+                       "Celery's tracer stores it", tool.name, request.id,
+                       type(failed).__name__, failed)
+        return False
+    return True
+
+
 def stored_by_the_outcome(request: Any) -> None:
     """Tell Celery's tracer that the result is stored: ``mark_as_done`` reads
-    ``request.ignore_result`` and skips its store (the chord is still told)."""
+    ``request.ignore_result`` and skips its store (the chord is still told),
+    and so does ``handle_retry`` (through ``handle_error_state``)."""
     request.ignore_result = True
 
 

@@ -42,10 +42,6 @@ from ..failures import FailureClass, is_no_side_effect
 from ..settings import Settings
 from ..store.states import Ending
 
-#: Set on the exception ``self.retry()`` raises once the budget is spent
-#: (Celery raises the tool's ``exc``, or ``MaxRetriesExceededError``).
-REQUESTED_EXHAUSTED_MARK = "_tooleffect_requested_retries_exhausted"
-
 _UNSET = object()
 
 

@@ -34,14 +34,10 @@ from ..errors import DeadLettered
 from ..store.audit import StepContext, worker_identity
 from ..store.rollback import SENT_AT_HEADER
 from ..store.runtime import runtime_for
-from .attempt import queue_name, resolve_run_id
-from .handoff import send_letter
+from .attempt import caller_of, queue_name, resolve_run_id
+from .handoff import existing_notes, send_letter
 
 logger = logging.getLogger(__name__)
-
-#: Set on an exception once ToolTask has audited it.
-AUDITED_MARK = "_tooleffect_audited"
-
 
 #: The names of the write tools bound in this process: their messages are stamped.
 _STAMPED: set[str] = set()
@@ -92,8 +88,7 @@ def classify_reported_failure(
             "tool %s[%s] failed: failure_class=%s exception=%s",
             sender.name, task_id, failure_class.value, type(exception).__name__,
         )
-        if (decided or isinstance(exception, DeadLettered)
-                or getattr(exception, AUDITED_MARK, False)):
+        if decided or isinstance(exception, DeadLettered) or _audited(sender, exception):
             return  # the tool audited how it ended
         fields = vars(sender.request)
         context = StepContext(
@@ -104,6 +99,7 @@ def classify_reported_failure(
             queue=queue_name(fields.get("delivery_info"), runtime.settings.default_queue),
             redelivered=False,
             worker=worker_identity(),
+            caller=caller_of(fields),
         )
         runtime.audit.record_step(
             context.event(
@@ -113,3 +109,11 @@ def classify_reported_failure(
         )
     except Exception:  # a signal handler must never break the worker
         logger.exception("could not classify the failure of %s", task_id)
+
+
+def _audited(sender: Any, exception: BaseException) -> bool:
+    """Whether the package audited ``exception`` already: noted in the attempt
+    that ended with it (``sender.request``, the request Celery reports it for,
+    in this process)."""
+    notes = existing_notes(getattr(sender, "request", None))
+    return notes is not None and notes.audited is exception

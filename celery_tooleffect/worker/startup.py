@@ -11,7 +11,7 @@ error; one that only weakens it is warned about loudly:
   An ``operation_deadline`` may exceed the visibility timeout (that is what it
   is for): its lease is extended, and a delivery deferred to a live owner's
   lease end waits at most 80 % of the visibility timeout before it looks again
-  (see ``Execution._come_back_later``). Refusing it too was considered; the
+  (see ``worker.endings.defer_to_owner``). Refusing it too was considered; the
   documentation's Decisions page says why it was not kept;
 - on RabbitMQ, a deadline longer than the broker's ``consumer_timeout``
   (``tooleffect_rabbitmq_consumer_timeout``) would have the channel closed
@@ -71,7 +71,7 @@ from celery import bootsteps
 from ..effect import ToolEffect
 from ..errors import ConfigurationError, StoreUnavailable
 from ..settings import Settings, settings_for
-from ..store.dead_letters import backlog_warnings
+from ..store.dead_letter_queries import backlog_warnings
 from ..store.declarations import EffectDeclarations, WorkerDeclaration, disagreements
 from ..store.runtime import runtime_for
 from .eviction import EvictionWatch, eviction_check

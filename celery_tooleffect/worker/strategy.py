@@ -35,13 +35,16 @@ from celery.exceptions import InvalidTaskError
 from celery.worker.strategy import default
 from kombu.exceptions import ContentDisallowed, DecodeError
 
-from .attempt import RUN_ID_HEADER
+from ..identity import RUN_ID_HEADER
 
 #: Headers Celery reads that must be text when present (None is allowed).
 _TEXT_HEADERS = ("id", "task", "shadow", "root_id", "parent_id", "group", RUN_ID_HEADER)
 
 #: The attribute ``ToolRequest`` sets on the kombu message it was built from,
 #: once built and checked (kombu's ``Message`` keeps a ``__dict__`` for such).
+#: Not part of the hand-off (``worker/handoff.py``): kombu's message lives in
+#: the worker's main process only, where it is set and read; the pool process
+#: never sees it.
 BUILT_MARK = "_tooleffect_request_built"
 
 
@@ -52,7 +55,7 @@ def mark_built(message: Any) -> None:
 
 
 #: The attribute :func:`tool_strategy` sets on each kombu message: the
-#: consumer's ``call_soon_ack``.
+#: consumer's ``call_soon_ack``. In the main process only, as :data:`BUILT_MARK`.
 IN_THE_LOOP = "_tooleffect_in_the_loop"
 
 

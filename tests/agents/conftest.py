@@ -74,9 +74,10 @@ class Agents:
                 yield client
 
     def http_server(self, *arguments: str, token: str | None = "s3cret",
-                    host: str = "127.0.0.1") -> str:
-        """``tooleffect mcp --transport streamable-http`` on a free port: its URL."""
-        port = free_port()
+                    host: str = "127.0.0.1", port: int | None = None) -> str:
+        """``tooleffect mcp --transport streamable-http`` on ``port`` (default a
+        free one): its URL."""
+        port = port or free_port()
         env = {**os.environ, **self.env}
         extra = list(arguments)
         if token is not None:

@@ -41,8 +41,9 @@ def test_tools_list_names_schemas_and_annotations_per_effect(agents: Agents) -> 
             return (await session.list_tools()).tools
 
     tools = {tool.name: tool for tool in anyio.run(scenario)}
-    assert sorted(tools) == ["shop.charge", "shop.export", "shop.quote", "shop.refund",
-                             "shop.search", "shop.send_invoice", STATUS_TOOL]
+    assert sorted(tools) == ["shop.charge", "shop.export", "shop.payout", "shop.quote",
+                             "shop.refund", "shop.search", "shop.send_invoice", "shop.stock",
+                             "shop.wire", STATUS_TOOL]
     search, invoice, refund = tools["shop.search"], tools["shop.send_invoice"], tools["shop.refund"]
     assert search.input_schema == {
         "type": "object", "additionalProperties": False, "required": ["query"],

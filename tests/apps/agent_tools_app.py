@@ -10,11 +10,16 @@ a call parked for approval is answered as waiting after 1 s.
 Each write counts its runs in ``<prefix>count:<key>``; ``send_invoice`` holds
 while ``<prefix>hold:<key>`` exists (the tests kill the worker then). With
 TE_UNSTORABLE_TOOL set, ``shop.tag`` is a write whose result (a ``set``) the
-JSON result serializer cannot encode.
+JSON result serializer cannot encode. TE_MCP_OAUTH (JSON) holds settings of
+the MCP server's OAuth (``tooleffect_mcp_oauth_*``).
+
+``shop.stock``, a read, fails its first attempt for each sku (counted in
+``<prefix>stock:<sku>``) with a ConnectionError, which it retries after 0.2 s.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Annotated, Literal
@@ -24,7 +29,7 @@ from celery import Celery
 from pydantic import Field
 from typing_extensions import TypedDict
 
-from celery_tooleffect import ToolEffect, ToolTask
+from celery_tooleffect import Approver, ToolEffect, ToolTask
 from tests.conftest import REDIS_URL, app_config, on_broker, spawned_setting
 
 VISIBILITY_TIMEOUT = 6
@@ -52,10 +57,14 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
         tooleffect_agent_result_wait=60.0,
         tooleffect_agent_max_argument_bytes=4096,
     ))
+    if os.environ.get("TE_MCP_RESULT_WAIT"):  # the MCP server's wait, shortened
+        app.conf.tooleffect_mcp_result_wait = float(os.environ["TE_MCP_RESULT_WAIT"])
     if os.environ.get("TE_MCP_TRUST"):  # "host|origin": what a deployment trusts
         host, origin = os.environ["TE_MCP_TRUST"].split("|")
         app.conf.update(tooleffect_mcp_allowed_hosts=[host],
                         tooleffect_mcp_allowed_origins=[origin])
+    if os.environ.get("TE_MCP_OAUTH"):  # JSON: the tooleffect_mcp_oauth_* settings
+        app.conf.update(json.loads(os.environ["TE_MCP_OAUTH"]))
     counters = redis.Redis.from_url(REDIS_URL)
 
     def count(key: str) -> int:
@@ -71,6 +80,14 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
     def quote(sku: str) -> Quote:
         """Quote a price."""
         return {"sku": sku, "cents": 1999}
+
+    @app.task(base=ToolTask, name="shop.stock", shared=False,
+              autoretry_for=(ConnectionError,), retry_kwargs={"countdown": 0.2})
+    def stock(sku: str) -> int:
+        """How many of an item are in stock. Changes nothing."""
+        if counters.incr(f"{prefix}stock:{sku}") == 1:  # the first attempt per sku
+            raise ConnectionError(f"the warehouse did not answer for {sku}")
+        return 7
 
     @app.task(base=ToolTask, name="shop.send_invoice", shared=False,
               effect=ToolEffect.NON_IDEMPOTENT_WRITE)
@@ -97,6 +114,25 @@ def build(prefix: str, *, broker_url: str = REDIS_URL) -> Celery:
         """Refund an order; a person approves every refund."""
         count(key)
         return f"refunded {cents} ({reason})"
+
+    def masked_account(self: ToolTask, key: str, account: str, cents: int) -> dict[str, str]:
+        """What the person approving a wire sees: the account's last four digits."""
+        return {"account": f"****{account[-4:]}", "amount": f"{cents / 100:.2f}"}
+
+    @app.task(base=ToolTask, name="shop.wire", shared=False,
+              effect=ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=Approver.USER,
+              approval_view=masked_account)
+    def wire(key: str, account: str, cents: int) -> str:
+        """Wire money to an account; the agent's user approves every wire."""
+        runs = count(key)
+        return f"wired {cents} to ****{account[-4:]} ({runs})"
+
+    @app.task(base=ToolTask, name="shop.payout", shared=False,
+              effect=ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=Approver.BOTH)
+    def payout(key: str, cents: int) -> str:
+        """Pay a seller out; the agent's user, then an operator, approve it."""
+        runs = count(key)
+        return f"paid out {cents} ({runs})"
 
     if os.environ.get("TE_UNSTORABLE_TOOL"):
         @app.task(base=ToolTask, name="shop.tag", shared=False,

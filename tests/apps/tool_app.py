@@ -2,7 +2,9 @@
 
 Configured from the environment by ``spawn_worker`` in conftest: TE_PREFIX
 (every key of the test), TE_BROKER, TE_VT (visibility timeout), TE_STORE
-(a store of its own: ``tooleffect_redis_url``), TE_COUNTERS (the Redis of the
+(a store of its own: ``tooleffect_redis_url``; with TE_STORE_CLUSTER=1 a node
+of a Redis Cluster, ``tooleffect_redis_cluster``), TE_RESULTS (a result
+backend of its own), TE_COUNTERS (the Redis of the
 side-effect counters and, on a RabbitMQ broker, of the results and, without
 TE_STORE, of the store; default the broker, required on RabbitMQ: no server
 is ever left to a default, tests/conftest.py ``refuse_defaults``),
@@ -48,8 +50,9 @@ app.conf.update(
     app_config(
         PREFIX,
         broker_url=BROKER,
-        # Results on Redis whichever broker is used (Celery has no AMQP backend).
-        result_backend=REDIS,
+        # Results on Redis whichever broker is used (Celery has no AMQP
+        # backend); TE_RESULTS: a backend of their own (another database).
+        result_backend=os.environ.get("TE_RESULTS") or REDIS,
         broker_transport_options={
             "global_keyprefix": PREFIX,
             "visibility_timeout": float(os.environ.get("TE_VT", "60")),
@@ -67,6 +70,8 @@ app.conf.update(
         # would be 127.0.0.1:6379); on Redis it follows the broker.
         tooleffect_redis_url=os.environ.get("TE_STORE") or (
             None if is_redis_family(BROKER) else REDIS),
+        # TE_STORE_CLUSTER=1: TE_STORE is a node of a Redis Cluster.
+        tooleffect_redis_cluster=os.environ.get("TE_STORE_CLUSTER", "0") == "1",
         tooleffect_max_retries=int(os.environ.get("TE_MAX_RETRIES", "3")),
         tooleffect_socket_timeout=float(os.environ.get("TE_SOCKET_TIMEOUT", "2.0")),
         tooleffect_heartbeat_interval=float(os.environ.get("TE_HEARTBEAT") or 0) or None,

@@ -98,7 +98,13 @@ class Namespace:
         subprocess.run(["ip", "link", "delete", self.host_if], check=False, capture_output=True)
 
     def __enter__(self) -> Namespace:
-        return self.create()
+        # __exit__ does not run when __enter__ raises: a namespace or a link
+        # made before the step that failed would be left behind.
+        try:
+            return self.create()
+        except BaseException:
+            self.delete()
+            raise
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -31,7 +31,7 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import AuditLog, DeadLetters
-from celery_tooleffect.store.dead_letters import DeadLetter
+from celery_tooleffect.store.dead_letter_record import DeadLetter
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.lua import script
 from celery_tooleffect.store.runtime import runtime_for

@@ -16,6 +16,7 @@ the journal lease (heartbeated every 0.5 s) has lapsed by then.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
@@ -38,7 +39,12 @@ WHY_NOT = namespaces_possible()
 @pytest.fixture
 def namespace() -> Iterator[Namespace]:
     if WHY_NOT is not None:
-        pytest.fail(f"network namespaces are needed for the partition test: {WHY_NOT}")
+        # Root and iproute2 (scripts/services.sh): skipped without them, but
+        # CI has both, where a skip would hide the test (CI=true: .ci/run).
+        message = f"network namespaces are needed for the partition test: {WHY_NOT}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI is set: the partition test must run)")
+        pytest.skip(message)
     with Namespace() as made:
         yield made
 

@@ -17,8 +17,11 @@ from hypothesis import strategies as st
 from celery_tooleffect.effect import ToolEffect
 from celery_tooleffect.errors import InvalidCallId
 from celery_tooleffect.identity import (
+    CALLER_HEADER,
+    MAX_CALLER_LENGTH,
     MAX_ID_LENGTH,
     NAMESPACE,
+    RUN_ID_HEADER,
     call_digest,
     call_task_id,
     checked_id,
@@ -30,8 +33,8 @@ from celery_tooleffect.store.envelope import REPLAY_HEADER
 from celery_tooleffect.worker.attempt import (
     AGAIN_HEADER,
     ALLOWED_HEADERS,
-    RUN_ID_HEADER,
     Attempt,
+    caller_of,
     delivered_again,
     forged_headers,
     idempotency_key,
@@ -151,7 +154,7 @@ def test_a_conflict_says_whose_id_it_is() -> None:
 # -- an attempt -----------------------------------------------------------------------
 
 
-def test_a_producer_may_set_only_the_run_call_replay_and_again_headers() -> None:
+def test_a_producer_may_set_only_the_run_call_caller_replay_and_again_headers() -> None:
     assert forged_headers({name: "x" for name in ALLOWED_HEADERS}) == []
     assert forged_headers({"tooleffect_effect": 1, "TOOLEFFECT_token": 2, "Tooleffect_x": 3,
                            "x-tooleffect_y": 4, "traceparent": 5,
@@ -224,3 +227,22 @@ def test_an_attempt_is_built_the_same_from_any_request_s_fields() -> None:
     assert (context.run_id, context.task_id, context.tool, context.queue) == (
         "run", "t", "tools.t", "tools")
     assert context.worker.endswith(f":{os.getpid()}")
+
+
+def test_the_caller_header_is_in_every_event_of_the_attempt() -> None:
+    """``tooleffect_caller`` (set by the MCP server): recorded as given in each
+    event's ``details.caller``, cut to its limit; nothing when absent or not text."""
+    caller = '{"auth":"oauth","sub":"alice"}'
+    attempt = Attempt.of(
+        {"root_id": "root", "headers": {CALLER_HEADER: caller}}, task_id="t", name="tools.t",
+        effect=ToolEffect.NON_IDEMPOTENT_WRITE, delivery_info=None, default_queue="celery",
+        token="tok")
+    assert attempt.caller == caller
+    assert attempt.context.event("outcome", "succeeded").details["caller"] == caller
+    assert attempt.context.event("intent", "started", caller="x").details["caller"] == caller
+    assert caller_of({CALLER_HEADER: "c" * (MAX_CALLER_LENGTH + 5)}) == "c" * MAX_CALLER_LENGTH
+    assert caller_of({CALLER_HEADER: 7}) == caller_of({}) == ""
+    plain = Attempt.of({"root_id": "root"}, task_id="t", name="tools.t",
+                       effect=ToolEffect.READ_ONLY, delivery_info=None,
+                       default_queue="celery", token="tok")
+    assert "caller" not in plain.context.event("outcome", "succeeded").details

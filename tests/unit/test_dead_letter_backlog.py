@@ -1,13 +1,13 @@
 """When unresolved dead letters are warned about (a worker at start, Flower's
 Dead letters page): the pure decision of
-:func:`celery_tooleffect.store.dead_letters.backlog_warnings`."""
+:func:`celery_tooleffect.store.dead_letter_queries.backlog_warnings`."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from celery_tooleffect.settings import settings_for
-from celery_tooleffect.store.dead_letters import QueueBacklog, backlog_warnings
+from celery_tooleffect.store.dead_letter_queries import QueueBacklog, backlog_warnings
 from tests.unit.conftest import app_with
 
 NOW = 1_800_000_000.0

@@ -43,23 +43,23 @@ from celery_tooleffect.errors import (
     IntentNotDurable,
     IntentNotRecorded,
     LeaseLost,
+    NoSideEffect,
     ResultNotStorable,
     StoreUnavailable,
 )
 from celery_tooleffect.events import AuditEvent
-from celery_tooleffect.failures import FailureClassifier, NoSideEffect
+from celery_tooleffect.failures import FailureClassifier
 from celery_tooleffect.identity import call_digest
 from celery_tooleffect.reconciliation import Reconciliation
 from celery_tooleffect.settings import Settings, settings_for
 from celery_tooleffect.store import states
-from celery_tooleffect.store.dead_letters import DeadLetter, conflict_letter_id
+from celery_tooleffect.store.dead_letter_record import DeadLetter, conflict_letter_id
 from celery_tooleffect.store.journal import Begin, Transition
 from celery_tooleffect.store.leases import Leases, LeaseVerdict
 from celery_tooleffect.store.states import ApprovalState, Ending, JournalState, Verdict
 from celery_tooleffect.worker.execution import Execution
-from celery_tooleffect.worker.handoff import HANDOFF_FIELD, Handoff, notes_of
-from celery_tooleffect.worker.retries import REQUESTED_EXHAUSTED_MARK, RetryPolicy
-from celery_tooleffect.worker.signals import AUDITED_MARK
+from celery_tooleffect.worker.handoff import HANDOFF_FIELD, Handoff, attempt_notes, existing_notes
+from celery_tooleffect.worker.retries import RetryPolicy
 from tests.unit.conftest import app_with
 
 READ = ToolEffect.READ_ONLY
@@ -158,14 +158,14 @@ class FakeDeadLetters:
 class FakeApprovals:
     answer: ApprovalState = ApprovalState.ABSENT
 
-    def state(self, run_id: str, task_id: str) -> ApprovalState:
-        return self.answer
+    def decision(self, run_id: str, task_id: str) -> tuple[ApprovalState, str]:
+        return self.answer, ""
 
 
 @dataclass
 class FakeLeases:
     lease: Any = None
-    shares_the_store: bool = False
+    reaches_the_broker: bool = False
     verdict: LeaseVerdict = LeaseVerdict.OK
     extended: list[float] = field(default_factory=list)
 
@@ -354,11 +354,15 @@ def test_an_unknown_failure_is_never_retried() -> None:
 def test_an_interactive_failure_is_raised_as_itself_with_its_class() -> None:
     failure = ConnectionError("down")
     tool = FakeTool(failing(failure))
+    req = request(interactive=True)
     with pytest.raises(ConnectionError) as ended:
-        run(tool, req=request(interactive=True))
+        run(tool, req=req)
     assert ended.value is failure
     assert failure.__dict__["failure_class"] == "connection"
-    assert getattr(failure, AUDITED_MARK) is True
+    # Audited: noted in the attempt's notes, nothing else marked on the error.
+    notes = existing_notes(req)
+    assert notes is not None and notes.audited is failure
+    assert set(failure.__dict__) == {"failure_class"}
     assert tool.published == []  # never retried
 
 
@@ -397,13 +401,25 @@ def test_a_retry_the_tool_asks_for_is_audited_and_raised() -> None:
 
 def test_a_retry_asked_for_after_the_budget_is_a_dead_letter() -> None:
     spent = ValueError("still failing")
-    spent.__dict__[REQUESTED_EXHAUSTED_MARK] = 2
+    req = request(retries=2)
+    attempt_notes(req).retries_spent = (spent, 2)
     tool = FakeTool(failing(spent))
     with pytest.raises(DeadLettered) as ended:
-        run(tool, req=request(retries=2))
+        run(tool, req=req)
     assert ended.value.dead_letter_reason == "retries_exhausted"
     assert "asked for a retry (self.retry()) after 2 retries" in letter_of(ended.value).error
     assert ended.value.error is spent
+
+
+def test_only_the_error_retry_raised_with_the_budget_spent_says_so() -> None:
+    """The attempt's notes name the very error ``self.retry()`` raised: another
+    error the body raised after catching it is decided as any failure."""
+    req = request(retries=2)
+    attempt_notes(req).retries_spent = (ValueError("caught by the body"), 2)
+    tool = FakeTool(failing(ValueError("raised instead")))
+    with pytest.raises(DeadLettered) as ended:
+        run(tool, req=req)
+    assert ended.value.dead_letter_reason == "not_retryable"
 
 
 def test_a_read_delivered_again_that_a_release_recorded_as_a_write_runs_as_one() -> None:
@@ -506,7 +522,7 @@ def test_a_write_records_its_intent_runs_its_body_and_records_its_success() -> N
     assert move["token"] == begin["token"] and move["token"]
     assert move["earlier_copy"] is intent  # the intent's copy rides with the outcome
     assert move["token"] == req.tooleffect_handoff.token  # the main process's token
-    assert notes_of(req).fencing_token == 7  # what the body reads as fencing_token
+    assert attempt_notes(req).fencing_token == 7  # what the body reads as fencing_token
 
 
 @pytest.mark.parametrize("answer", [Verdict.DONE, Verdict.DEAD_LETTERED, Verdict.NOT_RUN])
@@ -971,7 +987,7 @@ def test_a_deadline_secures_the_broker_lease_before_the_intent() -> None:
 
 def test_a_broker_lease_on_the_store_s_redis_rides_with_the_intent() -> None:
     lease = object()
-    runtime = FakeRuntime(leases=FakeLeases(lease=lease, shares_the_store=True))
+    runtime = FakeRuntime(leases=FakeLeases(lease=lease, reaches_the_broker=True))
     assert run(FakeTool(body("ok"), WRITE, runtime=runtime, deadline=30)) == "ok"
     assert runtime.leases.extended == []
     assert runtime.journal.begins[0]["broker_lease"] is lease

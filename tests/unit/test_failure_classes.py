@@ -11,10 +11,10 @@ from celery.exceptions import Reject
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from celery_tooleffect.errors import NoSideEffect
 from celery_tooleffect.failures import (
     FailureClass,
     FailureClassifier,
-    NoSideEffect,
     is_no_side_effect,
 )
 

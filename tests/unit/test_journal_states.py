@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from celery_tooleffect.choices import Choice
 from celery_tooleffect.effect import ToolEffect
 from celery_tooleffect.failures import FailureClass
+from celery_tooleffect.states import Approver
 from celery_tooleffect.store import states
 from celery_tooleffect.store.dead_letters import DeadLetterReason
 from celery_tooleffect.store.states import (
@@ -151,16 +152,30 @@ def test_ending_counters_are_journal_fields_of_their_own() -> None:
 # -- approvals ----------------------------------------------------------------------
 
 
-def test_a_decision_is_taken_once_from_pending() -> None:
-    for decided in (A.APPROVED, A.REJECTED, A.EXPIRED):
-        assert APPROVAL_TRANSITIONS[decided] == {A.PENDING}
+def test_a_decision_is_taken_once_from_a_call_waiting_for_it() -> None:
+    # The user decides before the call is published (absent) or once it is
+    # parked; an operator then, or alone; rejection and expiry from either wait.
     assert APPROVAL_TRANSITIONS[A.PENDING] == {A.ABSENT}
-    assert APPROVAL_TRANSITIONS[A.ENDED] == states.END_REFUSED_FROM == {A.REJECTED, A.EXPIRED}
+    assert APPROVAL_TRANSITIONS[A.USER_APPROVED] == {A.ABSENT, A.PENDING}
+    assert APPROVAL_TRANSITIONS[A.APPROVED] == {A.ABSENT, A.PENDING, A.USER_APPROVED}
+    assert APPROVAL_TRANSITIONS[A.REJECTED] == {A.ABSENT, A.PENDING, A.USER_APPROVED}
+    assert APPROVAL_TRANSITIONS[A.EXPIRED] == states.DECIDE_FROM == {A.PENDING,
+                                                                     A.USER_APPROVED}
+    assert {A.PENDING} == states.USER_DECIDE_FROM
+    assert states.operator_approves_from(Approver.BOTH) == {A.USER_APPROVED}
+    assert states.operator_approves_from(Approver.USER) == {A.PENDING}
+    assert states.operator_approves_from(Approver.OPERATOR) == {A.PENDING}
+    # A refused call ends; an approved one ends only when its arguments are not
+    # those its user was shown.
+    assert APPROVAL_TRANSITIONS[A.ENDED] == states.END_REFUSED_FROM | {A.APPROVED}
+    assert {A.REJECTED, A.EXPIRED} == states.END_REFUSED_FROM
     assert {A.REJECTED, A.EXPIRED, A.ENDED} == states.REFUSED
-    # An approved call never becomes refused, nor a refused one approved.
+    # An approved call never becomes refused by a decision, nor a refused one approved.
     for source in states.REFUSED:
         assert source not in APPROVAL_TRANSITIONS[A.APPROVED]
-    assert all(A.APPROVED not in sources for sources in APPROVAL_TRANSITIONS.values())
+        assert source not in APPROVAL_TRANSITIONS[A.USER_APPROVED]
+    for target in (A.USER_APPROVED, A.REJECTED, A.EXPIRED):
+        assert A.APPROVED not in APPROVAL_TRANSITIONS[target]
     assert approval_argument(states.END_REFUSED_FROM) == "expired rejected"
 
 

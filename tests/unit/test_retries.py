@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_tooleffect.effect import ToolEffect
-from celery_tooleffect.errors import ToolDeclarationError
-from celery_tooleffect.failures import FailureClass, NoSideEffect
+from celery_tooleffect.errors import NoSideEffect, ToolDeclarationError
+from celery_tooleffect.failures import FailureClass
 from celery_tooleffect.settings import settings_for
 from celery_tooleffect.store.states import Ending
 from celery_tooleffect.worker.retries import (

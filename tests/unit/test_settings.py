@@ -128,8 +128,6 @@ def test_the_suite_refuses_the_default_store_in_its_own_processes() -> None:
     ({"tooleffect_effect": "read_only"}, "a tool's effect is declared in code"),
     ({"tooleffect_privacy": "everything"}, "tooleffect_privacy must be one of"),
     ({"tooleffect_redis_cluster": True}, "tooleffect_redis_cluster needs tooleffect_redis_url"),
-    ({"broker_url": "amqp://g@h/v", "tooleffect_redis_cluster": True,
-      "tooleffect_redis_url": "redis://h:1"}, "tooleffect_redis_cluster needs a Redis broker"),
     ({"tooleffect_atomic_fetch": "yes"}, "tooleffect_atomic_fetch must be True or False"),
     ({"tooleffect_allow_volatile_store": "yes"},
      "tooleffect_allow_volatile_store must be True or False, not 'yes'"),
@@ -358,3 +356,88 @@ def test_an_unset_retention_grows_with_a_long_visibility_timeout() -> None:
     with pytest.raises(ConfigurationError, match="865800 or more"):
         settings_for(app_with(broker_transport_options=long_lease,
                               tooleffect_retention=7 * 24 * 3600))
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("tooleffect_run_stream_maxlen", 0, "a whole number, 1 or more, not 0"),
+    ("tooleffect_run_stream_maxlen", -5, "a whole number, 1 or more, not -5"),
+    ("tooleffect_run_stream_maxlen", "lots", "a whole number, 1 or more, not 'lots'"),
+    ("tooleffect_run_stream_maxlen", 2.5, "a whole number, 1 or more, not 2.5"),
+    ("tooleffect_global_stream_maxlen", -1, "a whole number, 1 or more, not -1"),
+    ("tooleffect_global_stream_maxlen", None, None),  # unset: the default
+    ("tooleffect_global_stream_maxlen", [1], "a whole number, 1 or more, not [1]"),
+    ("tooleffect_agent_max_argument_bytes", 0, "a whole number, 1 or more, not 0"),
+    ("tooleffect_agent_max_argument_bytes", "1k", "a whole number, 1 or more, not '1k'"),
+    ("tooleffect_max_retries", -1, "a whole number, 0 or more, not -1"),
+    ("tooleffect_max_retries", "three", "a whole number, 0 or more, not 'three'"),
+    ("tooleffect_max_retries", True, "a whole number, 0 or more, not True"),
+    ("tooleffect_backoff_base", -1, "a number of seconds, 0 or more, not -1"),
+    ("tooleffect_backoff_cap", "ten", "a number of seconds, 0 or more, not 'ten'"),
+    ("tooleffect_approval_timeout", -3600, "a number of seconds, 0 or more, not -3600"),
+    ("tooleffect_agent_approval_wait", "soon", "a number of seconds, 0 or more, not 'soon'"),
+    ("tooleffect_agent_result_wait", -1, "a number of seconds, 0 or more, not -1"),
+    ("tooleffect_store_wait_timeout", "x", "a number of seconds, 0 or more, not 'x'"),
+    ("tooleffect_socket_timeout", 0, "a number of seconds above 0, not 0"),
+    ("tooleffect_socket_timeout", "fast", "a number of seconds above 0, not 'fast'"),
+    ("tooleffect_rabbitmq_consumer_timeout", -1, "a number of seconds above 0, not -1"),
+    ("tooleffect_reconcile_timeout", float("nan"), "a number of seconds above 0, not nan"),
+    ("tooleffect_heartbeat_interval", -2, "a number of seconds above 0, not -2"),
+    ("tooleffect_heartbeat_interval", "often", "a number of seconds above 0, not 'often'"),
+])
+def test_a_bad_size_or_threshold_is_refused_naming_its_smallest_value(
+        key: str, value: Any, said: str | None) -> None:
+    if said is None:
+        assert settings_for(app_with(**{key: value})) is not None
+        return
+    with pytest.raises(ConfigurationError) as refused:
+        settings_for(app_with(**{key: value}))
+    assert str(refused.value) == f"{key} must be {said}"
+
+
+def test_sizes_and_thresholds_given_as_text_or_whole_floats_are_read() -> None:
+    resolved = settings_for(app_with(tooleffect_run_stream_maxlen="500",
+                                     tooleffect_global_stream_maxlen=2000.0,
+                                     tooleffect_socket_timeout="2.5",
+                                     tooleffect_backoff_cap="60"))
+    assert (resolved.run_stream_maxlen, resolved.global_stream_maxlen) == (500, 2000)
+    assert (resolved.socket_timeout, resolved.backoff_cap) == (2.5, 60.0)
+
+
+def test_the_audit_key_is_the_setting_or_the_file(tmp_path: Path) -> None:
+    assert settings_for(app_with()).audit_key is None
+    key = "k" * 32
+    assert settings_for(app_with(tooleffect_audit_key=key)).audit_key == key.encode()
+    assert settings_for(app_with(tooleffect_audit_key=key.encode())).audit_key == key.encode()
+    path = tmp_path / "audit.key"
+    path.write_text(key + "\n")
+    resolved = settings_for(app_with(tooleffect_audit_key_file=str(path)))
+    assert resolved.audit_key == key.encode()
+    assert key not in repr(resolved)  # never shown
+    assert settings_for(app_with(tooleffect_audit_key_file=path)).audit_key == key.encode()
+
+
+@pytest.mark.parametrize(("conf", "said"), [
+    ({"tooleffect_audit_key": "short"},
+     "tooleffect_audit_key must be at least 16 bytes (e.g. secrets.token_hex(32)), not 5"),
+    ({"tooleffect_audit_key": 12345678901234567890},
+     "tooleffect_audit_key must be a secret (text or bytes), not a int"),
+    ({"tooleffect_audit_key": "k" * 32, "tooleffect_audit_key_file": "/x"},
+     "tooleffect_audit_key and tooleffect_audit_key_file are both set: give one"),
+    ({"tooleffect_audit_key_file": "/nonexistent/audit.key"},
+     "tooleffect_audit_key_file '/nonexistent/audit.key' cannot be read: "
+     "No such file or directory"),
+    ({"tooleffect_audit_key_file": 3}, "tooleffect_audit_key_file must be the path of a file"),
+])
+def test_a_bad_audit_key_is_refused(conf: dict[str, Any], said: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        settings_for(app_with(**conf))
+    assert str(refused.value).startswith(said)
+
+
+def test_a_short_audit_key_file_is_refused_without_showing_it(tmp_path: Path) -> None:
+    path = tmp_path / "audit.key"
+    path.write_bytes(b"s3cret\n\n")
+    with pytest.raises(ConfigurationError) as refused:
+        settings_for(app_with(tooleffect_audit_key_file=str(path)))
+    assert str(refused.value) == (
+        "tooleffect_audit_key_file must be at least 16 bytes (e.g. secrets.token_hex(32)), not 6")

@@ -15,7 +15,6 @@ from celery_tooleffect.admin.sizing import (
     OTHER_PACKAGE,
     RESULTS,
     ROLLBACK_WATCH,
-    RUN_CHAINS,
     RUN_STREAMS,
     EffectSize,
     KindSize,
@@ -34,7 +33,6 @@ def test_every_key_of_the_key_table_has_its_kind() -> None:
     expected = {
         KEYS.journal("r1", "t1"): JOURNAL,
         KEYS.run_events("r1"): RUN_STREAMS,
-        KEYS.run_seq("r1"): RUN_CHAINS,
         KEYS.approval("r1", "t1"): APPROVALS,
         KEYS.global_events: GLOBAL_STREAM,
         KEYS.dead_letters("tools"): DEAD_LETTERS,
@@ -51,7 +49,7 @@ def test_every_key_of_the_key_table_has_its_kind() -> None:
         # Run ids that look like other keys stay runs: the tag is escaped.
         KEYS.run_events("events"): RUN_STREAMS,
         KEYS.journal("{dlq:tools}", "t1"): JOURNAL,
-        KEYS.run_seq("a}b:journal:x"): RUN_CHAINS,
+        KEYS.run_events("a}b:journal:x"): RUN_STREAMS,
         "app:te:something-new": OTHER_PACKAGE,
         "app:celery-task-meta-t1": RESULTS,
         "_kombu.binding.tools": NOT_THE_PACKAGES,

@@ -1,16 +1,18 @@
-"""``audit``: the audit trails: one run's events (``show``), their hash chain
-(``verify``), the newest events of all runs (``tail``, ``--follow``)."""
+"""``audit``: the audit trails: one run's events (``show``), their chain
+(``verify``, against a ``head`` exported earlier), the newest events of all
+runs (``tail``, ``--follow``)."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 import click
 
 from ...events import AuditEvent
-from ...store.audit import text
+from ...store.audit import copied_fields, entry_order, text
 from ..table import layout, render, terminal_width
 from ..visible import visible_json
 from .base import (
@@ -28,10 +30,10 @@ from .base import (
 JSON_DOCS = "stable, see docs/operations.md#json-output"
 
 
-@click.group(cls=ToolEffectGroup, short_help="Audit trails: show, verify, tail.")
+@click.group(cls=ToolEffectGroup, short_help="Audit trails: show, verify, head, tail.")
 def audit() -> None:
-    """Audit trails: one run's events (show), its hash chain (verify), or the
-    newest events of all runs (tail)."""
+    """Audit trails: one run's events (show), its chain (verify), its head to
+    keep outside Redis (head), or the newest events of all runs (tail)."""
 
 
 _EVENT_HEADERS = ["SEQ", "TIME (UTC)", "TASK ID", "TOOL", "PHASE", "STATUS", "TRY", "CLASS",
@@ -72,7 +74,7 @@ def event_table(events: Sequence[Mapping[str, str]], *, width: int | None = None
 @click.argument("run_id")
 @click.option("--json", "as_json", is_flag=True,
               help='Print JSON: {"run_id", "events": [...]}, each event its stored fields '
-                   f"as text and its stream entry id ({JSON_DOCS}).")
+                   f"as text, its seq as id, and the chain's links ({JSON_DOCS}).")
 @wide_option
 @click.pass_context
 def audit_show(ctx: click.Context, run_id: str, as_json: bool, wide: bool) -> None:
@@ -85,7 +87,7 @@ def audit_show(ctx: click.Context, run_id: str, as_json: bool, wide: bool) -> No
     """
     events = runtime_of(ctx).audit.events(run_id)
     if as_json:
-        # Each event as the stream holds it: its fields' text, not parsed.
+        # Each event as stored: its fields' text, not parsed.
         echo_json({"run_id": run_id, "events": [dict(event) for event in events]})
         if not events:
             sys.exit(EXIT_REFUSED)
@@ -95,42 +97,95 @@ def audit_show(ctx: click.Context, run_id: str, as_json: bool, wide: bool) -> No
     click.echo(event_table(events, wide=wide))
 
 
+def _head_value(ctx: click.Context, param: click.Parameter,
+                value: str | None) -> tuple[int, str] | None:
+    """``--head SEQ:HASH`` as (seq, hash)."""
+    if value is None:
+        return None
+    seq, _, link = value.partition(":")
+    if not seq.isdigit() or len(link) != 40 or any(c not in "0123456789abcdef" for c in link):
+        raise click.BadParameter("give SEQ:HASH as `audit head` printed it "
+                                 "(a number, a colon, 40 hex digits)")
+    return int(seq), link
+
+
 @audit.command("verify", needs=NEEDS_STORE)
 @click.argument("run_ids", nargs=-1)
 @click.option("--all", "every", is_flag=True, help="Verify every run in the store.")
+@click.option("--head", "exported", metavar="SEQ:HASH", callback=_head_value,
+              help="A head `audit head` exported earlier: the run's chain must still lead "
+                   "to it (one RUN_ID only).")
 @click.option("--json", "as_json", is_flag=True,
               help='Print JSON: {"runs": [{"run_id", "events", "intact", "broken_at", '
-                   f'"problem"}}]}} ({JSON_DOCS}).')
+                   f'"problem", "keyed", "head"}}]}} ({JSON_DOCS}).')
 @click.pass_context
 def audit_verify(ctx: click.Context, run_ids: tuple[str, ...], every: bool,
-                 as_json: bool) -> None:
-    """Check the hash chain of runs' audit events; report the first broken link.
+                 exported: tuple[int, str] | None, as_json: bool) -> None:
+    """Check the chain of runs' audit events; report the first broken link.
+
+    With tooleffect_audit_key set, each event's keyed MAC is checked too (an
+    event edited or forged without the key); with --head, the chain must
+    still lead to a head exported earlier (events up to it removed, moved or
+    inserted, even by someone who recomputed the chain). See
+    docs/operations.md#audit-verify for what is detected and what cannot be.
 
     Exit code 0 when every chain is intact, 1 when one is broken or a run has
     no events.
     """
     if bool(run_ids) == every:
         raise click.UsageError("give RUN_ID... or --all (not both)")
+    if exported is not None and len(run_ids) != 1:
+        raise click.UsageError("--head checks one RUN_ID")
     log = runtime_of(ctx).audit
-    checks = [log.verify(run_id) for run_id in (log.runs() if every else run_ids)]
+    checks = [log.verify(run_id, head=exported)
+              for run_id in (log.runs() if every else run_ids)]
     bad = [check for check in checks if not check.intact or check.events == 0]
+    keyed = log.settings.audit_key is not None
     if as_json:
         echo_json({"runs": [
             {"run_id": c.run_id, "events": c.events, "intact": c.intact and c.events > 0,
              "broken_at": c.broken_at, "problem": c.problem or (None if c.events else
-                                                                "no events")}
+                                                                "no events"),
+             "keyed": c.keyed, "head": f"{c.head_seq}:{c.head}" if c.head else None}
             for c in checks
         ]})
     else:
         for check in checks:
-            if check.events == 0:
+            if check.events == 0 and check.intact:
                 click.echo(f"{check.run_id}: no events")
             elif check.intact:
-                click.echo(f"{check.run_id}: intact ({check.events} events)")
+                how = f", {check.keyed} keyed" if keyed else ", not keyed (no audit key set)"
+                click.echo(f"{check.run_id}: intact ({check.events} events{how}"
+                           f"{', leads to the exported head' if exported else ''})")
             else:
                 click.echo(f"{check.run_id}: BROKEN at {check.broken_at}: {check.problem}")
         click.echo(f"{len(checks) - len(bad)} of {len(checks)} run(s) intact")
     if bad:
+        sys.exit(EXIT_REFUSED)
+
+
+@audit.command("head", needs=NEEDS_STORE)
+@click.argument("run_ids", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True,
+              help=f'Print JSON: {{"heads": [{{"run_id", "seq", "hash"}}]}} ({JSON_DOCS}).')
+@click.pass_context
+def audit_head(ctx: click.Context, run_ids: tuple[str, ...], as_json: bool) -> None:
+    """Print each run's head, SEQ:HASH, to keep outside Redis.
+
+    Later, `audit verify RUN_ID --head SEQ:HASH` finds any change to the
+    run's events up to that seq, even by someone who could write to Redis
+    and recomputed the chain. Exit code 1 when a run has no events.
+    """
+    log = runtime_of(ctx).audit
+    heads = [(run_id, log.head(run_id)) for run_id in run_ids]
+    if as_json:
+        echo_json({"heads": [{"run_id": run_id, "seq": head[0] if head else None,
+                              "hash": head[1] if head else None} for run_id, head in heads]})
+    else:
+        for run_id, head in heads:
+            click.echo(f"{run_id} {head[0]}:{head[1]}" if head and head[1]
+                       else f"{run_id}: no events")
+    if any(head is None or not head[1] for _, head in heads):
         sys.exit(EXIT_REFUSED)
 
 
@@ -156,8 +211,8 @@ def _tail_row(event: Mapping[str, str]) -> list[str]:
               help="How many of the newest events to show first.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new events (Ctrl-C stops).")
 @click.option("--json", "as_json", is_flag=True,
-              help="One JSON object per line: an event's stored fields as text and its "
-                   f"stream entry id, id ({JSON_DOCS}).")
+              help="One JSON object per line: the fields the global stream copies, as "
+                   f"text, and its entry id, id ({JSON_DOCS}).")
 @wide_option
 @click.pass_context
 def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool,
@@ -197,16 +252,41 @@ def audit_tail(ctx: click.Context, count: int, follow: bool, as_json: bool,
             return
         last = (events[-1].entry_id or "$") if events else "$"
         client = log.client
-        key = log.keys.global_events
+        streams = log.keys.global_streams
+        block = max(int(min(log.settings.socket_timeout * 500, 1000)), 100)
+        if len(streams) > 1:
+            _follow_shards(client, streams, last, block, emit)
         while True:
-            block = max(int(min(log.settings.socket_timeout * 500, 1000)), 100)
-            replies: Any = client.xread({key: last}, block=block, count=100) or []
+            replies: Any = client.xread({streams[0]: last}, block=block, count=100) or []
             for _stream, entries in replies:
                 for entry_id, fields in entries:
                     last = text(entry_id)
-                    emit(AuditEvent.from_stream(
-                        last, {text(k): text(v) for k, v in fields.items()}))
+                    emit(AuditEvent.from_stream(last, copied_fields(last, fields)))
             sys.stdout.flush()
     except KeyboardInterrupt:
         return
 
+
+
+def _follow_shards(client: Any, streams: list[str], last: str, block_ms: int,
+                   emit: Callable[[AuditEvent], None]) -> NoReturn:
+    """Follow a cluster's global copy (store/keys.py, its shards): one ``XREAD``
+    cannot name streams of several slots, so each shard is read without
+    blocking from where it was last read, what came is shown in entry-id
+    order, and the loop waits ``block_ms`` when nothing came."""
+    positions = {}
+    for stream in streams:
+        newest = client.xrevrange(stream, count=1) if last == "$" else None
+        positions[stream] = text(newest[0][0]) if newest else ("0-0" if last == "$" else last)
+    while True:
+        came = []
+        for stream in streams:
+            for _stream, entries in client.xread({stream: positions[stream]}, count=100) or []:
+                for entry_id, fields in entries:
+                    positions[stream] = text(entry_id)
+                    came.append((entry_order(entry_id), text(entry_id), fields))
+        for _order, entry_id, fields in sorted(came, key=lambda entry: entry[0]):
+            emit(AuditEvent.from_stream(entry_id, copied_fields(entry_id, fields)))
+        sys.stdout.flush()
+        if not came:
+            time.sleep(block_ms / 1000)

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from ...store.dead_letters import Cursor
+from ...store.dead_letter_queries import Cursor
 from ..filters import DEAD_LETTER_REASONS, EFFECTS, FAILURE_CLASSES, dead_letter_query
 from ..operations import ActionResult, default_actor
 from ..table import WHOLE, key_values, render, terminal_width

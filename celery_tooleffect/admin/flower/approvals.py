@@ -28,6 +28,7 @@ from ...store.approvals import Approval
 from ..approvals import ApprovalListing, Approvals
 from ..filters import approval_state
 from ..operations import STORE, ActionResult, Outcome
+from ..runs import caller_label, caller_of_events
 from ..visible import escape, visible_json, warning
 from .handlers import HTTP_STATUS, ToolEffectHandler, limit_of, offset_of, pretty
 
@@ -118,7 +119,8 @@ def _age(seconds: float) -> str:
 
 
 _APPROVAL_STATE_BADGES = {
-    ApprovalState.PENDING: "text-bg-warning", ApprovalState.APPROVED: "text-bg-success",
+    ApprovalState.PENDING: "text-bg-warning", ApprovalState.USER_APPROVED: "text-bg-info",
+    ApprovalState.APPROVED: "text-bg-success",
     ApprovalState.REJECTED: "text-bg-danger", ApprovalState.EXPIRED: "text-bg-secondary",
     ApprovalState.ENDED: "text-bg-dark", ApprovalState.ABSENT: "text-bg-light",
 }
@@ -182,6 +184,7 @@ class _ApprovalPages(_ApprovalHandler, BaseHandler):  # type: ignore[misc]
             approval=approval,
             shown=shown,
             events=events,
+            caller=caller_label(caller_of_events(events)),
             result=result,
             now=time.time(),
             age=_age,

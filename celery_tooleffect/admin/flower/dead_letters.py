@@ -23,7 +23,7 @@ from flower.views import BaseHandler
 from tornado import web
 from tornado.web import url
 
-from ...store.dead_letters import Cursor, DeadLetterQuery
+from ...store.dead_letter_queries import Cursor, DeadLetterQuery
 from ..filters import (
     DEAD_LETTER_REASONS,
     EFFECTS,

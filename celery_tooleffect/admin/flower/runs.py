@@ -17,7 +17,7 @@ from flower.views import BaseHandler
 from tornado import web
 from tornado.web import url
 
-from ..runs import PAGE_SIZE, STATE_COLOURS, Runs, link_of, timeline
+from ..runs import PAGE_SIZE, STATE_COLOURS, Runs, caller_label, link_of, timeline
 from .handlers import ToolEffectHandler, limit_of
 
 
@@ -53,7 +53,7 @@ class RunPage(_RunHandler, BaseHandler):  # type: ignore[misc]
         self.render(
             "tooleffect_run.html", run_id=run_id, page=page, bars=bars,
             axis_start=axis_start, axis_length=axis_length, colours=STATE_COLOURS,
-            link_of=link_of, cursor=self.wanted()["cursor"],
+            link_of=link_of, caller_label=caller_label, cursor=self.wanted()["cursor"],
             took_ms=(time.perf_counter() - started) * 1000,
         )
 

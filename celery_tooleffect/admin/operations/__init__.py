@@ -32,7 +32,7 @@ Replay
     - A NON_IDEMPOTENT_WRITE is replayed only by its task id, one at a time,
       with ``force`` and a reason. It is refused, even with ``force``, when its
       outcome was recorded: journal ``succeeded``, or a ``late_outcome`` (on
-      the letter or in the run's audit stream).
+      the letter or in the run's audit events).
     - A letter whose ``body_completed`` is true (``AuditPersistenceFailed``
       after the body succeeded) is refused with a message that says the write
       already ran; only ``force`` with a reason overrides that.
@@ -66,7 +66,7 @@ Privacy
 
 from .purge import Purging
 from .reconcile import Reconciling
-from .replay import ABANDONED_AFTER, ChordEnded, publish
+from .replay import ABANDONED_AFTER, publish
 from .results import ACTOR_ENV, REASON_LIMIT, ActionResult, Outcome, default_actor, results_summary
 from .rules import RECONCILABLE, letter_effect, reconcile_refusal, replay_refusal
 from .stores import (
@@ -91,7 +91,6 @@ __all__ = [
     "STORE",
     "STORE_ERRORS",
     "ActionResult",
-    "ChordEnded",
     "DeadLetterOperations",
     "Outcome",
     "default_actor",

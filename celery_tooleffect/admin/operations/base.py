@@ -8,21 +8,16 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ...actions.reconciling import reconciler_of
 from ...effect import ToolEffect
 from ...errors import StoreUnavailable
 from ...events import AuditEvent
 from ...store.audit import worker_identity
 from ...store.chords import chord_member, chord_refusal
-from ...store.dead_letters import (
-    Cursor,
-    DeadLetter,
-    DeadLetterQuery,
-    DeadLetterStats,
-    backlog_warnings,
-)
+from ...store.dead_letter_queries import Cursor, DeadLetterQuery, DeadLetterStats, backlog_warnings
+from ...store.dead_letter_record import DeadLetter
 from ...store.journal import JournalRef
 from ...store.runtime import ToolRuntime, runtime_for
-from ...worker.execution import reconciler
 from .results import REASON_LIMIT, ActionResult, Outcome
 from .rules import letter_effect, letter_label, letter_run_id, reconcile_refusal
 from .views import letter_detail, letter_listing
@@ -72,7 +67,7 @@ class OperationsBase:
             letter, taken = unfinished[0], True
         detail = letter_detail(letter, self._journal(letter), taken=taken, accept=self.accept,
                                chord_refusal=self._chord_refusal(letter), page=page)
-        declared = reconciler(self.app.tasks.get(letter.name)) is not None
+        declared = reconciler_of(self.app.tasks.get(letter.name)) is not None
         detail["reconcile"] = {"refusal": reconcile_refusal(letter, declared=declared)}
         return detail
 

@@ -4,14 +4,19 @@ why), the letter kept when its event cannot be stored."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 
 from ...errors import StoreUnavailable
-from ...store.dead_letters import DeadLetterQuery
+from ...store.dead_letter_queries import DeadLetterQuery
+from ...store.dead_letter_record import DeadLetter
+from ...store.journal import JournalRef
 from .base import OperationsBase
 from .results import ActionResult, Outcome
-from .rules import letter_label
+from .rules import letter_label, letter_run_id
+
+logger = logging.getLogger(__name__)
 
 
 class Purging(OperationsBase):
@@ -37,6 +42,7 @@ class Purging(OperationsBase):
             letters.forget_taken(task_id)
         except StoreUnavailable as exc:
             return ActionResult(task_id, "purge", Outcome.FAILED, f"{task_id}: not purged: {exc}")
+        self._release([letter])
         return self._result(letter, "purge", Outcome.DONE, f"purged {letter_label(letter)}")
 
     def purge_matching(
@@ -79,6 +85,19 @@ class Purging(OperationsBase):
                                "stored")
         with contextlib.suppress(StoreUnavailable):
             letters.forget_taken_many(purged)
+        self._release([letter for letter in mine if letter.task_id in purged])
         for task_id in task_ids:
             if task_id not in mine_ids:
                 yield self.purge(task_id, actor=actor, reason=reason, via=via)
+
+    def _release(self, letters: list[DeadLetter]) -> None:
+        """Let the journal entries of purged letters expire with the retention
+        (kept without a TTL while the letter existed: DESIGN §7). Best effort:
+        the purge is done and audited; an entry left without a TTL is logged
+        with its key."""
+        refs = [JournalRef(letter_run_id(letter), letter.task_id) for letter in letters]
+        try:
+            self.runtime.journal.release(refs)
+        except StoreUnavailable as exc:
+            logger.warning("purged, but %d journal entries keep no TTL (%s): %s", len(refs),
+                           exc, ", ".join(f"{ref.run_id}/{ref.task_id}" for ref in refs))

@@ -10,15 +10,16 @@ from dataclasses import replace
 
 from celery.app.task import Context
 
+from ...actions.reconciling import ask_reconciler, reconciler_of
 from ...errors import StoreUnavailable
 from ...events import AuditEvent
 from ...reconciliation import ReconcileStatus, Reconciliation
 from ...states import DeadLetterReason, JournalState
 from ...store import states
 from ...store.audit import describe_payload
-from ...store.dead_letters import DeadLetter, DeadLetterQuery
+from ...store.dead_letter_queries import DeadLetterQuery
+from ...store.dead_letter_record import DeadLetter
 from ...store.journal import JournalRef
-from ...worker.execution import ask, reconciler
 from .replay import Replaying
 from .results import ActionResult, Outcome
 from .rules import letter_effect, letter_label, letter_run_id, reconcile_refusal
@@ -54,7 +55,7 @@ class Reconciling(Replaying):
             return ActionResult(task_id, "reconcile", Outcome.NOT_FOUND,
                                 f"{task_id}: no such dead letter")
         tool = self.app.tasks.get(letter.name)
-        check = reconciler(tool)
+        check = reconciler_of(tool)
         refusal = reconcile_refusal(letter, declared=check is not None)
         if refusal or check is None:
             return self._result(letter, "reconcile", Outcome.REFUSED,
@@ -68,8 +69,8 @@ class Reconciling(Replaying):
         run_id = letter_run_id(letter)
         # The run id as the task's root: self.idempotency_key derives the same key.
         request = Context(id=letter.task_id, root_id=run_id, called_directly=False)
-        answer, problem = ask(check, tool, request, tuple(args), kwargs,
-                              timeout=runtime.settings.reconcile_timeout)
+        answer, problem = ask_reconciler(check, tool, request, tuple(args), kwargs,
+                                         timeout=runtime.settings.reconcile_timeout)
         status = ReconcileStatus.FAILED if answer is None else answer.status
         evidence = answer.evidence if answer is not None else (
             f"{type(problem).__name__}: {problem}")

@@ -12,18 +12,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ...actions.republish import republish
 from ...effect import ToolEffect
-
-# ChordEnded was defined here: still importable from here (see errors.py).
-from ...errors import ChordEnded as ChordEnded
-from ...errors import StoreUnavailable
+from ...errors import ChordEnded, StoreUnavailable
 from ...events import AuditEvent
 from ...states import JournalState
 from ...store import states
 from ...store.chords import chord_member, chord_refusal
-from ...store.dead_letters import DeadLetter, DeadLetterQuery
+from ...store.dead_letter_queries import DeadLetterQuery
+from ...store.dead_letter_record import DeadLetter
 from ...store.journal import JournalRef, ReplayRequest
-from ...worker.republish import republish
 from .base import OperationsBase
 from .results import ActionResult, Outcome
 from .rules import journal_refusal, letter_effect, letter_label, letter_run_id, replay_refusal

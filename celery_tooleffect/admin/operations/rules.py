@@ -5,9 +5,9 @@ letter's effect and run id as the actions take them."""
 from __future__ import annotations
 
 from ...effect import ToolEffect
+from ...identity import RUN_ID_HEADER
 from ...states import DeadLetterReason, JournalState
-from ...store.dead_letters import DeadLetter
-from ...worker.attempt import RUN_ID_HEADER
+from ...store.dead_letter_record import DeadLetter
 
 
 def letter_effect(letter: DeadLetter) -> ToolEffect:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...store.audit import MASK, describe_payload
-from ...store.dead_letters import DeadLetter, DeadLetterPage
+from ...store.dead_letter_queries import DeadLetterPage
+from ...store.dead_letter_record import DeadLetter
 from ...store.envelope import shown
 from .rules import replay_refusal
 

@@ -2,28 +2,32 @@
 -- the intent (journal to 'running' under the caller's owner token) together
 -- with its audit event.
 --
--- KEYS[1] journal hash, KEYS[2] run stream, KEYS[3] run event counter
--- KEYS[4], KEYS[5] (optional, when the broker is this Redis) kombu's
---         unacked_mutex and unacked_index: the message's broker lease is
---         secured with the intent, as extend_lease.lua does, and no intent is
---         recorded when it cannot be
+-- KEYS[1] journal hash, KEYS[2] run events (a list, prelude.lua)
+-- KEYS[3], KEYS[4] (optional, when the broker is on this Redis server, in
+--         this database or another: ARGV[15]) kombu's unacked_mutex and
+--         unacked_index: the message's broker lease is secured with the
+--         intent, as extend_lease.lua does, and no intent is recorded when it
+--         cannot be
 -- KEYS[#KEYS - 1], KEYS[#KEYS] (when ARGV[13] is not ''; not on a cluster)
 --         the calling process's writer key and the store's rollback mark
 --         (store/rollback.py)
 -- ARGV[1] owner token        ARGV[2] now (unix seconds, float)
 -- ARGV[3] lease end          ARGV[4] effect
 -- ARGV[5] attempts allowed   ARGV[6] ttl seconds
--- ARGV[7] stream MAXLEN
+-- ARGV[7] run events kept (maxlen)
 -- ARGV[8] '1' when the tool reconciled an interrupted attempt and found its
 --         write not applied: a non-idempotent write may then start again
--- ARGV[9] with KEYS[4..5]: the message's delivery tag ('' without)
--- ARGV[10] with KEYS[4..5]: its new unacked_index score ('' without)
+-- ARGV[9] with KEYS[3..4]: the message's delivery tag ('' without)
+-- ARGV[10] with KEYS[3..4]: its new unacked_index score ('' without)
 -- ARGV[11] the tool's name    ARGV[12] the digest of the call's arguments
 -- ARGV[13] the count of intents this store last acknowledged to the calling
 --          process ('' when not watched for rollbacks)
 -- ARGV[14] when the message was published ('' when it does not say; 'first'
 --          when its broker never delivered it before, so it cannot have run)
--- ARGV[15..] event field/value pairs
+-- ARGV[15] with KEYS[3..4] in another database than the store's (one server,
+--          several databases): prelude.lua's databases argument, whose
+--          broker database the lease is secured in; '' otherwise
+-- ARGV[16..] event field/value pairs
 --
 -- A call is bound to its tool and arguments: the first intent records both,
 -- and a delivery of the same task id under another tool, or with other
@@ -66,14 +70,15 @@
 --   lease_lost      (broker lease) the message was restored or acknowledged:
 --                   its other copy runs; nothing recorded
 
-local journal, stream, seq = KEYS[1], KEYS[2], KEYS[3]
+local journal, events = KEYS[1], KEYS[2]
 local token, now, lease_end = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local effect, allowed, ttl, maxlen = ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
 local resume = ARGV[8] == '1'
 local tool, digest = ARGV[11], ARGV[12]
 local watched, sent_at, first = ARGV[13] ~= '', tonumber(ARGV[14]), ARGV[14] == 'first'
-local fields = slice(ARGV, 15, #ARGV)
-local leased = #KEYS - (watched and 2 or 0) >= 5
+local dbs = databases(ARGV[15])
+local fields = slice(ARGV, 16, #ARGV)
+local leased = #KEYS - (watched and 2 or 0) >= 4
 
 -- The rollback watch: the store holding a smaller count than it acknowledged.
 local count, rolled_back, writer, mark = '', '0', nil, nil
@@ -122,31 +127,41 @@ end
 
 -- The broker lease of a write with a deadline, before anything else is
 -- decided, as a separate extension before this script would do
--- (extend_lease.lua, inlined: one round trip less when the broker is this
--- Redis); a refused lease decides nothing and records nothing.
+-- (extend_lease.lua, inlined: one round trip less when the broker is on
+-- this Redis server, in its own database if it has one); a refused lease
+-- decides nothing and records nothing.
 if leased then
-  if redis.call('EXISTS', KEYS[4]) == 1 then
+  local refused = in_database(dbs, 'broker', function()
+    if redis.call('EXISTS', KEYS[3]) == 1 then
+      return 'busy'
+    end
+    if not redis.call('ZSCORE', KEYS[4], ARGV[9]) then
+      return 'lost'
+    end
+    redis.call('ZADD', KEYS[4], 'XX', 'GT', ARGV[10], ARGV[9])
+    return nil
+  end)
+  if refused == 'busy' then
     return reply('lease_busy', attempt, '')
   end
-  if not redis.call('ZSCORE', KEYS[5], ARGV[9]) then
+  if refused == 'lost' then
     return reply('lease_lost', attempt, '')
   end
-  redis.call('ZADD', KEYS[5], 'XX', 'GT', ARGV[10], ARGV[9])
 end
 
 if state == 'succeeded' then
-  append_event(stream, seq, maxlen, ttl, fields,
+  append_event(events, maxlen, ttl, fields,
     {phase = 'duplicate_ignored', status = 'succeeded', attempt = attempt})
   local kept = redis.call('HMGET', journal, 'result', 'result_type')
   return reply('done', attempt, '', kept[1] or '', kept[2] or '')
 end
 if state == 'dead_lettered' then
-  append_event(stream, seq, maxlen, ttl, fields,
+  append_event(events, maxlen, ttl, fields,
     {phase = 'duplicate_ignored', status = 'dead_lettered', attempt = attempt})
   return reply('dead_lettered', attempt, '')
 end
 if state == 'not_run' then
-  append_event(stream, seq, maxlen, ttl, fields,
+  append_event(events, maxlen, ttl, fields,
     {phase = 'duplicate_ignored', status = 'not_run', attempt = attempt})
   return reply('not_run', attempt, '')
 end
@@ -164,7 +179,7 @@ if state == 'running' then
   redis.call('HSET', journal, 'state', state, 'updated_at', ARGV[2])
   redis.call('HINCRBY', journal, 'ended_interrupted', 1)
   redis.call('EXPIRE', journal, ttl)
-  append_event(stream, seq, maxlen, ttl, fields,
+  append_event(events, maxlen, ttl, fields,
     {phase = 'interrupted', status = 'lease_lapsed', attempt = attempt})
   if effect == 'non_idempotent_write' and not resume then
     return reply('interrupted', attempt, 'lease_lapsed')
@@ -191,7 +206,7 @@ elseif not state and watched and effect == 'non_idempotent_write' and not resume
       redis.call('HSET', journal, 'call_digest', digest)
     end
     redis.call('EXPIRE', journal, ttl)
-    append_event(stream, seq, maxlen, ttl, fields,
+    append_event(events, maxlen, ttl, fields,
       {phase = 'interrupted', status = 'store_rolled_back', attempt = 0,
        rollback_detected_at = tostring(detected)})
     return reply('interrupted', 0, 'store_rolled_back')
@@ -215,7 +230,7 @@ if digest ~= '' then
   redis.call('HSET', journal, 'call_digest', digest)
 end
 redis.call('EXPIRE', journal, ttl)
-append_event(stream, seq, maxlen, ttl, fields,
+append_event(events, maxlen, ttl, fields,
   {phase = 'intent', status = 'started', attempt = attempt, reclaimed = detail,
    fencing_token = fence, effect = effect})
 if watched then

@@ -1,5 +1,5 @@
 -- Take the next message off a worker's queues and record it unacknowledged,
--- in one atomic step (the atomic fetch of celery_tooleffect.store.transport).
+-- in one atomic step (the atomic fetch of celery_tooleffect.worker.transport).
 --
 -- kombu's Redis transport pops a message with BRPOP and only then records it
 -- in its unacked hash and index (QoS.append, a second command): a worker

@@ -1,7 +1,7 @@
 -- Take a queued item off its list, recorded unacknowledged as the worker
 -- says, in one atomic step: the second step of the atomic fetch for an item
 -- fetch.lua could not read as a kombu envelope and left queued (see
--- celery_tooleffect.store.transport). The worker reads it with Python's json:
+-- celery_tooleffect.worker.transport). The worker reads it with Python's json:
 -- an envelope after all (cjson refuses lone surrogates, which Python's json
 -- reads) is recorded under its own tag as kombu records it; anything else as
 -- the envelope the worker wraps it in.

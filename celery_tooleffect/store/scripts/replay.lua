@@ -1,12 +1,12 @@
 -- Reset a task's journal entry for a replay, under a new attempt token, and
 -- append the 'replayed' audit event with it, atomically.
 --
--- KEYS[1] journal hash, KEYS[2] run stream, KEYS[3] run event counter
+-- KEYS[1] journal hash, KEYS[2] run events (a list, prelude.lua)
 -- ARGV[1] new owner token     ARGV[2] now (unix seconds)
 -- ARGV[3] states a replay may start from, space separated ('absent' = no entry)
--- ARGV[4] effect              ARGV[5] ttl seconds      ARGV[6] stream MAXLEN
+-- ARGV[4] effect              ARGV[5] ttl seconds      ARGV[6] run events kept
 -- ARGV[7] task id
--- ARGV[8] '1': refuse when the run's stream holds a late_outcome of this task
+-- ARGV[8] '1': refuse when the run's events hold a late_outcome of this task
 -- ARGV[9] '1': a 'running' entry whose lease has lapsed may be replayed too
 -- ARGV[10..] event field/value pairs
 --
@@ -17,7 +17,7 @@
 -- its whole attempt budget again; begin_attempt treats 'replayed' as a new
 -- start. The new owner token fences any worker of an earlier attempt.
 
-local journal, stream, seq = KEYS[1], KEYS[2], KEYS[3]
+local journal, events = KEYS[1], KEYS[2]
 local token, now, allowed = ARGV[1], ARGV[2], ARGV[3]
 local effect, ttl, maxlen, task_id = ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local refuse_late, lapsed_ok = ARGV[8] == '1', ARGV[9] == '1'
@@ -39,16 +39,38 @@ if not ok then
   return {'refused', state, ''}
 end
 
-if refuse_late then
-  for _, entry in ipairs(redis.call('XRANGE', stream, '-', '+')) do
-    local data, is_task, is_late, status = entry[2], false, false, ''
-    for i = 1, #data, 2 do
-      if data[i] == 'task_id' and data[i + 1] == task_id then is_task = true end
-      if data[i] == 'phase' and data[i + 1] == 'late_outcome' then is_late = true end
-      if data[i] == 'status' then status = data[i + 1] end
+-- An event's fields that matter here, each one a script added ('+name') in
+-- place of the one sent (an outcome that leaves out its task_id has the one
+-- of the event before it, see prelude.lua).
+local function fields_of(element)
+  local found, added = {}, {}
+  for _, pair in ipairs(event_items(element)) do
+    local name, by_script = read_name(pair[1])
+    if by_script then
+      added[name] = pair[2]
+    else
+      found[name] = pair[2]
     end
-    if is_task and is_late then
-      return {'refused', 'late_outcome', status}
+  end
+  for name, value in pairs(added) do found[name] = value end
+  return found
+end
+
+if refuse_late then
+  local task = nil
+  for _, element in ipairs(redis.call('LRANGE', events, 1, -1)) do
+    -- Only an event that names a late outcome is read field by field (and
+    -- the task of the one before it, whose task_id it may leave out).
+    if string.find(element, 'late_outcome', 17, true) then
+      local event = fields_of(element)
+      if (event['task_id'] or task) == task_id and event['phase'] == 'late_outcome' then
+        return {'refused', 'late_outcome', event['status'] or ''}
+      end
+    end
+    -- A full event names its task first (after the two sums), as 't'.
+    if string.sub(element, 17, 19) == '1:t' then
+      local colon = string.find(element, ':', 20, true)
+      task = string.sub(element, colon + 1, colon + tonumber(string.sub(element, 20, colon - 1)))
     end
   end
 end
@@ -58,6 +80,6 @@ redis.call('HSET', journal, 'state', 'replayed', 'attempt', 0, 'owner', token,
   'attempts_before_replay', attempts)
 redis.call('HINCRBY', journal, 'replays', 1)
 redis.call('EXPIRE', journal, ttl)
-append_event(stream, seq, maxlen, ttl, fields,
+append_event(events, maxlen, ttl, fields,
   {previous_state = state, attempts_before = attempts})
 return {'ok', state, attempts}

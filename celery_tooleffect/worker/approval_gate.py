@@ -17,27 +17,28 @@ store decides, never the message:
   If the store does not answer, the message is requeued, never acknowledged;
 - ``pending``: a redelivery of a parked call (its worker died before the
   acknowledgement): acknowledged, still one record;
-- ``approved``: the call runs under the journal's rules like any other;
+- ``user_approved`` (a tool approved by its user, then an operator) without
+  a message: its user approved it before it was published; the record takes
+  this message and waits for an operator as a parked call does;
+- ``approved``: the call runs under the journal's rules like any other, if
+  its arguments show the digest its user was shown (else it ends FAILURE
+  with ``ApprovalRejected``: another call than the one approved);
 - ``rejected`` or ``expired``: the call ends FAILURE with ``ApprovalRejected``
   as Celery ends a failed task (result stored, chord told, ``link_error``
   callbacks run, ``task-failed`` event), then the record moves to ``ended``
   and the message is acknowledged; ``ended``: acknowledged.
 
-A decision (:func:`decide`, used by the operator commands and by the sweep
-of calls nobody decided within ``tooleffect_approval_timeout``) moves a
-``pending`` record once, with its audit event, then publishes the kept
-message again (the same bytes, headers and properties), and takes the call
-off the pending index. A decision whose message could not be published stays
-listed and is published by the next sweep or decision attempt; a message
-published twice is harmless (the journal runs a task id once, and a refused
-call ends once).
+A decision (:func:`~celery_tooleffect.actions.approving.decide_approval`)
+publishes the kept message again; this module's :class:`ApprovalSweep` runs
+:func:`~celery_tooleffect.actions.approving.expire_overdue_approvals` every so
+often.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -46,21 +47,19 @@ from celery import signals as celery_signals
 from celery.utils.saferepr import saferepr
 from celery.worker import state as worker_state
 
-from ..effect import ToolEffect
+from ..actions.approving import expire_overdue_approvals
+from ..actions.showing import show_call
 from ..errors import ApprovalRejected, StoreUnavailable
-from ..events import AuditEvent
 from ..signals import approval_requested
-from ..states import ApprovalState
+from ..states import ApprovalState, Approver
 from ..store import states
-from ..store.approvals import Approval, ApprovalMove, overdue_before
-from ..store.audit import StepContext, describe_payload, worker_identity
+from ..store.approvals import Approval
+from ..store.audit import describe_payload
 from ..store.envelope import MessageEnvelope
 from ..store.runtime import ToolRuntime, runtime_for
 from . import telemetry
 from .attempt import Attempt
-from .handoff import exception_info
-from .republish import republish
-from .signals import AUDITED_MARK
+from .handoff import attempt_notes, exception_info
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +89,8 @@ def gate(request: Any) -> bool:
     attempt: Attempt = request._attempt()
     runtime = runtime_for(request.task.app)
     try:
-        state = runtime.approvals.state(attempt.run_id, attempt.task_id)
-        if state is ApprovalState.ABSENT:
+        state, digest = runtime.approvals.decision(attempt.run_id, attempt.task_id)
+        if state in (ApprovalState.ABSENT, ApprovalState.USER_APPROVED):
             state = _park(request, attempt, runtime)
     except StoreUnavailable as store_down:
         logger.error("%s[%s] needs approval and the store did not answer; requeueing the "
@@ -99,6 +98,10 @@ def gate(request: Any) -> bool:
         _end_delivery(request, requeue=True)
         return True
     if state is ApprovalState.APPROVED:
+        if digest and digest != show_call(request.task, request.args, request.kwargs).digest:
+            _end_refused(request, attempt, runtime, state)
+            _end_delivery(request)
+            return True
         request.handoff = replace(request.handoff, approved=True)
         return False
     if state in (ApprovalState.REJECTED, ApprovalState.EXPIRED):
@@ -111,11 +114,13 @@ def _park(request: Any, attempt: Attempt, runtime: ToolRuntime) -> ApprovalState
     """Store the call's record and its event; the state it is in afterwards."""
     arguments = describe_payload(runtime.settings.privacy, args=list(request.args),
                                  kwargs=dict(request.kwargs))
+    approver = request.task.approver_for(tuple(request.args or ()), dict(request.kwargs or {}))
     approval = Approval(
         task_id=attempt.task_id, run_id=attempt.run_id, name=attempt.name,
         queue=attempt.queue, effect=attempt.effect.value, state=ApprovalState.PENDING,
         requested_at=time.time(), arguments=arguments, worker=attempt.context.worker,
         message=MessageEnvelope.of_message(request._message),
+        approver=(approver or Approver.OPERATOR).value,
     )
     existing = runtime.approvals.request(
         approval, attempt.context.event("approval", "requested", payload=arguments)
@@ -130,31 +135,46 @@ def _park(request: Any, attempt: Attempt, runtime: ToolRuntime) -> ApprovalState
 
 def _end_refused(request: Any, attempt: Attempt, runtime: ToolRuntime,
                  state: ApprovalState) -> None:
-    """End a rejected or expired call FAILURE as Celery ends a failed task."""
+    """End a refused call FAILURE as Celery ends a failed task: rejected,
+    expired, or approved for other arguments than these (``state`` approved)."""
     approval = runtime.approvals.get(attempt.task_id)
     why = approval.reason if approval is not None and approval.reason else ""
     by = approval.decided_by if approval is not None else ""
-    verb = "expired awaiting approval" if state is ApprovalState.EXPIRED else "rejected"
-    exc = ApprovalRejected(
-        f"{request.name}[{request.id}] {verb}" + (f" by {by}" if by else "")
-        + (f": {why}" if why else "") + "; nothing ran"
-    )
-    exc.__dict__[AUDITED_MARK] = True  # audited below, with the record's move
+    if state is ApprovalState.APPROVED:
+        exc = ApprovalRejected(
+            f"{request.name}[{request.id}] was approved" + (f" by {by}" if by else "")
+            + " for other arguments than this message carries (another digest of what "
+            "is shown); nothing ran")
+    else:
+        verb = "expired awaiting approval" if state is ApprovalState.EXPIRED else "rejected"
+        exc = ApprovalRejected(
+            f"{request.name}[{request.id}] {verb}" + (f" by {by}" if by else "")
+            + (f": {why}" if why else "") + "; nothing ran"
+        )
     einfo = exception_info(exc)
     # Result FAILURE, the chord's part, link_error callbacks (errbacks with
     # (request, exc, traceback) are called here, as Celery's pool would).
     request.task.backend.mark_as_failure(request.id, exc, request=request._context,
                                          store_result=request.store_errors)
-    celery_signals.task_failure.send(
-        sender=request.task, task_id=request.id, exception=exc, args=request.args,
-        kwargs=request.kwargs, traceback=einfo.traceback, einfo=einfo,
-    )
+    # Audited below, with the record's move: noted in the attempt's notes for
+    # the task_failure handler, which reads them off the request it reports
+    # (pushed as Celery's main process pushes it for the failures it reports).
+    attempt_notes(request._context).audited = exc
+    request.task.request_stack.push(request._context)
+    try:
+        celery_signals.task_failure.send(
+            sender=request.task, task_id=request.id, exception=exc, args=request.args,
+            kwargs=request.kwargs, traceback=einfo.traceback, einfo=einfo,
+        )
+    finally:
+        request.task.request_stack.pop()
     request.send_event("task-failed", exception=saferepr(exc), traceback=einfo.traceback,
                        failure_class="client_error")
     if approval is not None:
         try:
             runtime.approvals.transition(
-                approval, new_state=ApprovalState.ENDED, allowed=states.END_REFUSED_FROM,
+                approval, new_state=ApprovalState.ENDED,
+                allowed=states.END_REFUSED_FROM | {ApprovalState.APPROVED},
                 event=attempt.context.event("outcome", state.value, exception=exc,
                                             failure_class="client_error"),
             )
@@ -171,77 +191,6 @@ def _end_delivery(request: Any, *, requeue: bool = False) -> None:
         request.reject(requeue=True)
     else:
         request.acknowledge()
-
-
-# -- decisions (operators, the sweep) -----------------------------------------------
-
-
-def decision_event(approval: Approval, state: ApprovalState, *, by: str,
-                   reason: str, via: str, shown: Mapping[str, str] | None = None
-                   ) -> AuditEvent:
-    """The audit event of a decision on ``approval``; ``shown``: what the
-    person deciding was shown of the call (``shown_digest``, and at privacy
-    ``full`` the ``shown`` values)."""
-    context = StepContext(
-        run_id=approval.run_id, task_id=approval.task_id, tool=approval.name,
-        effect=ToolEffect.coerce(approval.effect), queue=approval.queue, redelivered=False,
-        worker=worker_identity(),
-    )
-    details: dict[str, Any] = {"actor": by, "reason": reason, "via": via, **(shown or {})}
-    return context.event("approval", state.value, **details)
-
-
-def decide(app: Any, approval: Approval, state: ApprovalState, *, by: str,
-           reason: str, via: str, shown: Mapping[str, str] | None = None) -> ApprovalMove:
-    """Take the decision ``state`` (approved, rejected, expired) on a pending call,
-    once, then publish its message again and take it off the pending index.
-
-    The answer is false when the call was not pending (then nothing changed);
-    a call decided before whose message was not published yet is published
-    now. Raises :class:`StoreUnavailable`, or what publishing raises (the
-    decision then stays recorded and listed, and is published later).
-    """
-    runtime = runtime_for(app)
-    move = runtime.approvals.transition(
-        approval, new_state=state, allowed=states.DECIDE_FROM,
-        event=decision_event(approval, state, by=by, reason=reason, via=via, shown=shown),
-        fields={"decided_by": by, "decided_at": f"{time.time():.6f}", "reason": reason},
-    )
-    if move or _listed_but_decided(runtime, approval):
-        publish_decided(app, approval)
-        runtime.approvals.unlist(approval.task_id)
-    return move
-
-
-def _listed_but_decided(runtime: ToolRuntime, approval: Approval) -> bool:
-    current = runtime.approvals.get(approval.task_id)
-    return (current is not None and current.decided
-            and runtime.approvals.is_listed(approval.task_id))
-
-
-def publish_decided(app: Any, approval: Approval) -> None:
-    """Publish the call's kept message again, exactly as it was delivered."""
-    if approval.message is None:
-        raise ValueError(f"{approval.name}[{approval.task_id}]: no message kept")
-    republish(app, approval.message, approval.queue)
-
-
-def expire_overdue(app: Any, now: float | None = None) -> list[Approval]:
-    """Reject as expired every call parked longer than ``tooleffect_approval_timeout``
-    (and publish decisions left unpublished); the calls expired now."""
-    runtime = runtime_for(app)
-    expired = []
-    for approval in runtime.approvals.listed(older_than=overdue_before(runtime.settings, now)):
-        if approval.decided:
-            publish_decided(app, approval)
-            runtime.approvals.unlist(approval.task_id)
-            continue
-        move = decide(app, approval, ApprovalState.EXPIRED, by="tooleffect", via="sweep",
-                      reason="no decision within tooleffect_approval_timeout "
-                             f"({runtime.settings.approval_timeout:g} s)")
-        if move:
-            expired.append(approval)
-    return expired
 
 
 # -- the worker's sweep -----------------------------------------------------------------
@@ -299,7 +248,7 @@ def _gated(on_task_request: Callable[[Any], Any]) -> Callable[[Any], Any]:
 def _sweep_quietly(app: Any) -> Callable[[], None]:
     def sweep() -> None:
         try:
-            for approval in expire_overdue(app):
+            for approval in expire_overdue_approvals(app):
                 logger.warning("%s[%s] expired awaiting approval", approval.name,
                                approval.task_id)
         except Exception as exc:  # the next sweep tries again

@@ -2,10 +2,9 @@
 (a dead letter an operator replays, a call a person approved or rejected)
 goes back to its queue.
 
-It lives here, not in ``admin/``, because the worker publishes too (its
-approval sweep publishes the decisions left unpublished) and ``worker/`` may
-not import ``admin/``; and not in ``store/``, which talks to Redis only, never
-to the broker.
+Called by a replay (``admin/operations/replay.py``) and by an approval
+decision (:mod:`.approving`, from the CLI, Flower or the worker's sweep). It
+is not in ``store/``, which talks to Redis only, never to the broker.
 """
 
 from __future__ import annotations
