@@ -52,7 +52,13 @@ from .worker.children import ParentCall, current_parent
 from .worker.consumer import install_consumer_step
 from .worker.execution import acknowledge_success, run_tool
 from .worker.fetch import install_atomic_fetch
-from .worker.handoff import attempt_notes, existing_notes, hand_over, hide_handoff
+from .worker.handoff import (
+    HeldRetry,
+    attempt_notes,
+    existing_notes,
+    hand_over,
+    hide_handoff,
+)
 from .worker.retries import (
     RetryPolicy,
     refuse_autoretry,
@@ -374,6 +380,14 @@ class ToolTask(Task):  # type: ignore[misc]
         limit = budget if max_retries is None else min(int(max_retries), budget)
         request = self.request
         spent = not request.called_directly and int(request.retries or 0) + 1 > limit
+        # A write's retry is published once its attempt leaves 'running'
+        # (worker/execution.py): held here while Celery builds and "sends" it.
+        # Not with throw=False: the body goes on, and Celery's retry is sent now.
+        notes = existing_notes(request)
+        if not throw or notes is None or notes.fencing_token is None:
+            notes = None  # not a write's body, or throw=False
+        if notes is not None:
+            notes.holding_retry = True
         try:
             return super().retry(
                 args, kwargs, exc, throw, eta, countdown,
@@ -392,6 +406,9 @@ class ToolTask(Task):  # type: ignore[misc]
                 # error, which would travel on with it.
                 attempt_notes(request).retries_spent = (raised, limit)
             raise
+        finally:
+            if notes is not None:
+                notes.holding_retry = False
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Celery's ``apply_async``, with the call's identity (``docs/identity.md``):
@@ -411,6 +428,13 @@ class ToolTask(Task):  # type: ignore[misc]
         republish = bool(options.pop(REPUBLISH_OPTION, False))
         if self._tooleffect_plain:
             return super().apply_async(args, kwargs, **options)
+        notes = existing_notes(self.request) if republish else None
+        if notes is not None and notes.holding_retry:
+            # Celery's Task.retry sending the retry of the running write: held
+            # until the attempt's outcome is recorded (see retry above). Celery
+            # does not use what its publish returns.
+            notes.held_retry = HeldRetry(args, kwargs, {**options, REPUBLISH_OPTION: True})
+            return None
         _refuse_relabel(self.name, options)
         claim = self._identify(options, republish=republish)
         if claim:

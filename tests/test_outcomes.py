@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.signals import before_task_publish
 
 from celery_tooleffect import (
     AuditLog,
@@ -22,6 +23,8 @@ from celery_tooleffect import (
     ToolEffect,
     ToolTask,
 )
+from celery_tooleffect.store.journal import JournalRef
+from celery_tooleffect.store.runtime import runtime_for
 from tests.conftest import Counter, RedisServer, on_broker, running_worker, wait_for
 
 READ, IDEM, WRITE = (
@@ -397,6 +400,43 @@ def test_run_id_header_groups_the_calls_of_one_run(
     events = AuditLog(app).events("run-{42}")
     assert {e["task_id"] for e in events} == {one.id, two.id}
     assert [e["seq"] for e in events] == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("new_args", [False, True], ids=["same_args", "new_args"])
+@pytest.mark.parametrize("effect", WRITES)
+def test_a_writes_own_retry_is_sent_once_its_attempt_has_ended(
+    make_app: Callable[..., Celery], counter: Counter, effect: ToolEffect, new_args: bool
+) -> None:
+    """Celery's ``Task.retry`` sends the retry before the attempt's outcome is
+    recorded; sent so, a retry with no countdown could begin while its own
+    attempt is still 'running' (deferred for the attempt's lease, or refused as
+    a conflict when it asked for other arguments). The retry is held until the
+    journal has left 'running': what the journal says when it is published."""
+    app = make_app()
+    seen: list[dict[str, str]] = []
+
+    @app.task(base=ToolTask, effect=effect, name="tools.polls_now", shared=False, bind=True)
+    def polls(self: ToolTask, key: str) -> str:
+        if counter.hit("calls") == 1:
+            raise self.retry(args=(f"{key}-again",) if new_args else None, countdown=0)
+        return key
+
+    def at_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("task") == "tools.polls_now" and headers.get("retries"):
+            task_id = str(headers["id"])
+            seen.append(runtime_for(app).journal.read(JournalRef(task_id, task_id)))
+
+    before_task_publish.connect(at_publish, weak=False)
+    try:
+        with running_worker(app):
+            result = polls.delay("k")
+            assert result.get(timeout=20) == ("k-again" if new_args else "k")
+    finally:
+        before_task_publish.disconnect(at_publish)
+    assert counter.value("calls") == 2
+    assert [entry["state"] for entry in seen] == ["retry_scheduled"]
+    statuses = [e["status"] for e in AuditLog(app).events(result.id)]
+    assert statuses == ["started", "retrying", "started", "succeeded"]
 
 
 @pytest.mark.parametrize("effect", ALL_EFFECTS)

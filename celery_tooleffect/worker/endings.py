@@ -180,6 +180,25 @@ def publish_retry(delivery: Delivery, exc: Exception, countdown: float, *,
     return retry
 
 
+def send_held_retry(delivery: Delivery, cause: BaseException | None) -> BaseException | None:
+    """Send the retry the tool's ``self.retry()`` asked for, held until now
+    (``AttemptNotes.holding_retry``): None when sent or when none is held; a
+    ``Reject`` that keeps the message when the publish fails (``cause``: what
+    the ending is caused by, the tool's ``Retry``)."""
+    notes = existing_notes(delivery.request)
+    held = notes.held_retry if notes is not None else None
+    if notes is None or held is None:
+        return None
+    notes.held_retry = None
+    try:
+        delivery.tool.apply_async(held.args, held.kwargs, **held.options)
+    except Exception as publish_failed:
+        logger.error("retry of %s not published, requeueing: %s", delivery.label, publish_failed)
+        kept = Reject(publish_failed, requeue=True)
+        return kept if cause is None else caused(kept, cause)
+    return None
+
+
 def defer_to_owner(delivery: Delivery, begin: Begin) -> BaseException:
     """A live owner runs this task: republish for when its lease ends."""
     attempt, settings = delivery.attempt, delivery.runtime.settings

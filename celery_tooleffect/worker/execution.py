@@ -68,6 +68,7 @@ from .endings import (
     requested_retry_event,
     result_not_storable,
     resume_dead_letter,
+    send_held_retry,
     settle,
 )
 from .faults import crash_point
@@ -272,16 +273,19 @@ class Execution(Delivery):
                     crash_point("in_body", attempt.name)
                     result = tool_body(self.tool)(*self.args, **self.kwargs)
                     crash_point("before_outcome", attempt.name)
-            except BaseException:
+            except BaseException as raised:
                 # The intent's global-stream copy normally rides with the
                 # outcome (one round trip less); on a failure it goes alone.
                 if begin.intent_event is not None:
                     runtime.audit.copy_to_global(begin.intent_event)
+                if not isinstance(raised, Retry):
+                    self._send_swallowed_retry()
                 raise
         except Retry as requested:
             # The tool called self.retry(): the attempt ends here, by choice.
-            # Celery published the retry already; it cannot begin before the
-            # journal leaves 'running', so RETRY is stored before that.
+            # Celery built the retry, and ToolTask.apply_async held it: RETRY
+            # is stored, then the journal leaves 'running', then it is sent, so
+            # that it never begins while this attempt still runs.
             retry_stored = not attempt.interactive and store_retry_first(
                 self.tool, self.request, requested)
             not_settled = settle(
@@ -291,7 +295,10 @@ class Execution(Delivery):
                 fields=self._retried_with(requested),
             )
             if not_settled is not None:
-                raise not_settled
+                raise not_settled  # the held retry is not sent: this ending decides
+            unsent = send_held_retry(self, requested)
+            if unsent is not None:
+                raise unsent
             if retry_stored:
                 stored_by_the_outcome(self.request)
             raise
@@ -300,6 +307,7 @@ class Execution(Delivery):
         except Exception as exc:
             failure_class = runtime.classifier.classify(exc)
             raise after_failure(self, exc, failure_class, number, duration_ms=_ms_since(started))
+        self._send_swallowed_retry()
         event = attempt.context.event(
             "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
             payload=self.payload(result=result),
@@ -341,6 +349,14 @@ class Execution(Delivery):
             if stored is not None:
                 stored_by_the_outcome(self.request)
         return result
+
+    def _send_swallowed_retry(self) -> None:
+        """Send a retry the body asked for and then did not raise (it caught
+        Celery's ``Retry``): sent as Celery would have, the attempt going on."""
+        unsent = send_held_retry(self, None)
+        if unsent is not None:
+            logger.warning("%s: the retry its body asked for and caught was not sent (%s)",
+                           self.label, unsent)
 
     # -- before the body -------------------------------------------------------
 

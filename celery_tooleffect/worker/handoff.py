@@ -138,6 +138,25 @@ class AttemptNotes:
     #: A failure the package audited already (an interactive call's error, an
     #: approval refused): the ``task_failure`` handler does not audit it again.
     audited: BaseException | None = None
+    #: True while a write's ``self.retry()`` runs Celery's ``Task.retry``: its
+    #: publish is held (``ToolTask.apply_async``) in :attr:`held_retry`, and
+    #: sent once the journal leaves 'running' (worker/execution.py). Published
+    #: at once, the retry could begin while its own attempt still runs: deferred
+    #: for the attempt's lease, or refused as a conflict when its arguments
+    #: changed.
+    holding_retry: bool = False
+    #: The retry ``self.retry()`` asked for and Celery built: the arguments of
+    #: its ``apply_async``, not sent yet.
+    held_retry: HeldRetry | None = None
+
+
+@dataclass(frozen=True)
+class HeldRetry:
+    """A retry's publish, held until its attempt's outcome is recorded."""
+
+    args: Any
+    kwargs: Any
+    options: dict[str, Any]
 
 
 def attempt_notes(request: Any) -> AttemptNotes:
