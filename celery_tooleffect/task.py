@@ -382,10 +382,13 @@ class ToolTask(Task):  # type: ignore[misc]
         spent = not request.called_directly and int(request.retries or 0) + 1 > limit
         # A write's retry is published once its attempt leaves 'running'
         # (worker/execution.py): held here while Celery builds and "sends" it.
-        # Not with throw=False: the body goes on, and Celery's retry is sent now.
+        # Only from the write's own body (Execution sends what it holds), and
+        # not with throw=False: the body goes on, and Celery's retry is sent now.
         notes = existing_notes(request)
-        if not throw or notes is None or notes.fencing_token is None:
-            notes = None  # not a write's body, or throw=False
+        parent = current_parent()
+        if (not throw or notes is None or notes.fencing_token is None
+                or parent is None or parent.task_id != request.id):
+            notes = None  # not in a write's body, or throw=False
         if notes is not None:
             notes.holding_retry = True
         try:

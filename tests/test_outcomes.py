@@ -7,11 +7,13 @@ are real: the audit store is a second redis-server made to refuse writes.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from celery import Celery
+from celery.exceptions import Retry
 from celery.signals import before_task_publish
 
 from celery_tooleffect import (
@@ -437,6 +439,39 @@ def test_a_writes_own_retry_is_sent_once_its_attempt_has_ended(
     assert [entry["state"] for entry in seen] == ["retry_scheduled"]
     statuses = [e["status"] for e in AuditLog(app).events(result.id)]
     assert statuses == ["started", "retrying", "started", "succeeded"]
+
+
+def test_a_retry_the_body_catches_is_sent_as_celery_sends_it(
+    make_app: Callable[..., Celery], counter: Counter,
+) -> None:
+    """A body that catches Celery's ``Retry`` goes on: its retry is sent all the
+    same (as Celery sends it), and, finding the call succeeded, runs nothing."""
+    app = make_app()
+    published: list[int] = []
+
+    @app.task(base=ToolTask, effect=WRITE, name="tools.catches_retry", shared=False, bind=True)
+    def catches(self: ToolTask, key: str) -> str:
+        counter.hit(key)
+        with contextlib.suppress(Retry):
+            self.retry(countdown=0)
+        return key
+
+    def at_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("task") == "tools.catches_retry":
+            published.append(int(headers.get("retries") or 0))
+
+    before_task_publish.connect(at_publish, weak=False)
+    try:
+        with running_worker(app):
+            result = catches.delay("k")
+            assert result.get(timeout=20) == "k"
+            wait_for(lambda: "duplicate_ignored" in phases(app, result.id), timeout=20,
+                     what="the retry's delivery to find the call succeeded")
+    finally:
+        before_task_publish.disconnect(at_publish)
+    assert published == [0, 1]
+    assert counter.value("k") == 1
+    assert phases(app, result.id) == ["intent", "outcome", "duplicate_ignored"]
 
 
 @pytest.mark.parametrize("effect", ALL_EFFECTS)

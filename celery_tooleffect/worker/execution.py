@@ -273,13 +273,11 @@ class Execution(Delivery):
                     crash_point("in_body", attempt.name)
                     result = tool_body(self.tool)(*self.args, **self.kwargs)
                     crash_point("before_outcome", attempt.name)
-            except BaseException as raised:
+            except BaseException:
                 # The intent's global-stream copy normally rides with the
                 # outcome (one round trip less); on a failure it goes alone.
                 if begin.intent_event is not None:
                     runtime.audit.copy_to_global(begin.intent_event)
-                if not isinstance(raised, Retry):
-                    self._send_swallowed_retry()
                 raise
         except Retry as requested:
             # The tool called self.retry(): the attempt ends here, by choice.
@@ -303,11 +301,14 @@ class Execution(Delivery):
                 stored_by_the_outcome(self.request)
             raise
         except (Ignore, Reject):
+            self._send_swallowed_retry()
             raise
         except Exception as exc:
             failure_class = runtime.classifier.classify(exc)
-            raise after_failure(self, exc, failure_class, number, duration_ms=_ms_since(started))
-        self._send_swallowed_retry()
+            ending = after_failure(self, exc, failure_class, number,
+                                   duration_ms=_ms_since(started))
+            self._send_swallowed_retry()
+            raise ending
         event = attempt.context.event(
             "outcome", "succeeded", attempt=number, duration_ms=_ms_since(started),
             payload=self.payload(result=result),
@@ -338,6 +339,7 @@ class Execution(Delivery):
             if attempt.interactive or not outcome_landed(runtime, attempt):
                 raise self._outcome_not_recorded(store_down, number) from store_down
             moved = True
+        self._send_swallowed_retry()
         if not moved:
             # Another delivery owns the entry now; the outcome was stored as a
             # late_outcome, and the dead letter (if any) gets a copy of it.
@@ -352,7 +354,8 @@ class Execution(Delivery):
 
     def _send_swallowed_retry(self) -> None:
         """Send a retry the body asked for and then did not raise (it caught
-        Celery's ``Retry``): sent as Celery would have, the attempt going on."""
+        Celery's ``Retry``), as Celery would have, once the attempt's ending is
+        recorded (so that it does not find the attempt still running)."""
         unsent = send_held_retry(self, None)
         if unsent is not None:
             logger.warning("%s: the retry its body asked for and caught was not sent (%s)",
