@@ -382,13 +382,13 @@ class ToolTask(Task):  # type: ignore[misc]
         spent = not request.called_directly and int(request.retries or 0) + 1 > limit
         # A write's retry is published once its attempt leaves 'running'
         # (worker/execution.py): held here while Celery builds and "sends" it.
-        # Only from the write's own body (Execution sends what it holds), and
-        # not with throw=False: the body goes on, and Celery's retry is sent now.
+        # Only from the write's own body, where Execution sends what it holds
+        # (with throw=False, or a Retry caught, once the attempt has ended).
         notes = existing_notes(request)
         parent = current_parent()
-        if (not throw or notes is None or notes.fencing_token is None
+        if (notes is None or notes.fencing_token is None
                 or parent is None or parent.task_id != request.id):
-            notes = None  # not in a write's body, or throw=False
+            notes = None  # not in a write's own body
         if notes is not None:
             notes.holding_retry = True
         try:

@@ -441,19 +441,24 @@ def test_a_writes_own_retry_is_sent_once_its_attempt_has_ended(
     assert statuses == ["started", "retrying", "started", "succeeded"]
 
 
-def test_a_retry_the_body_catches_is_sent_as_celery_sends_it(
-    make_app: Callable[..., Celery], counter: Counter,
+@pytest.mark.parametrize("how", ["caught", "throw_false"])
+def test_a_retry_the_body_goes_on_after_is_sent_once_it_ended(
+    make_app: Callable[..., Celery], counter: Counter, how: str,
 ) -> None:
-    """A body that catches Celery's ``Retry`` goes on: its retry is sent all the
-    same (as Celery sends it), and, finding the call succeeded, runs nothing."""
+    """A body that goes on after ``self.retry()`` (``throw=False``, or Celery's
+    ``Retry`` caught): its retry is sent all the same, once the attempt's
+    outcome is recorded, and, finding the call succeeded, runs nothing."""
     app = make_app()
     published: list[int] = []
 
     @app.task(base=ToolTask, effect=WRITE, name="tools.catches_retry", shared=False, bind=True)
     def catches(self: ToolTask, key: str) -> str:
         counter.hit(key)
-        with contextlib.suppress(Retry):
-            self.retry(countdown=0)
+        if how == "throw_false":
+            self.retry(countdown=0, throw=False)
+        else:
+            with contextlib.suppress(Retry):
+                self.retry(countdown=0)
         return key
 
     def at_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
