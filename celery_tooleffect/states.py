@@ -29,6 +29,8 @@ the status of.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .choices import Choice
 
 __all__ = ["ApprovalState", "Approver", "CallStatus", "DeadLetterReason", "JournalState"]
@@ -105,6 +107,20 @@ class Approver(Choice):
     def asks_user(self) -> bool:
         """Whether the agent's user decides (first)."""
         return self is not Approver.OPERATOR
+
+
+def approver_of(declared: Any) -> Approver | None:
+    """The approver a ``requires_approval`` value names: True is an operator,
+    False or None no approval, else an :class:`Approver` or its value
+    (``ValueError`` for anything else)."""
+    if declared is None or declared is False:
+        return None
+    if declared is True:
+        return Approver.OPERATOR
+    if isinstance(declared, (Approver, str)):
+        return Approver.coerce(declared)
+    raise ValueError(f"{declared!r} is neither a bool nor an approver "
+                     f"({', '.join(a.value for a in Approver)})")
 
 
 class DeadLetterReason(Choice):

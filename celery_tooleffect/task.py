@@ -38,7 +38,7 @@ from .identity import (
 )
 from .reconciliation import Reconciliation
 from .settings import refuse_unknown_settings
-from .states import Approver
+from .states import Approver, approver_of
 from .store.runtime import ToolRuntime, runtime_for
 from .worker.approval_gate import install_approval_sweep
 from .worker.attempt import (
@@ -53,11 +53,12 @@ from .worker.consumer import install_consumer_step
 from .worker.execution import acknowledge_success, run_tool
 from .worker.fetch import install_atomic_fetch
 from .worker.handoff import (
-    HeldRetry,
     attempt_notes,
     existing_notes,
     hand_over,
     hide_handoff,
+    hold_retry,
+    holding_retry,
 )
 from .worker.retries import (
     RetryPolicy,
@@ -380,22 +381,14 @@ class ToolTask(Task):  # type: ignore[misc]
         limit = budget if max_retries is None else min(int(max_retries), budget)
         request = self.request
         spent = not request.called_directly and int(request.retries or 0) + 1 > limit
-        # A write's retry is published once its attempt leaves 'running'
-        # (worker/execution.py): held here while Celery builds and "sends" it.
-        # Only from the write's own body, where Execution sends what it holds
-        # (with throw=False, or a Retry caught, once the attempt has ended).
-        notes = existing_notes(request)
-        parent = current_parent()
-        if (notes is None or notes.fencing_token is None
-                or parent is None or parent.task_id != request.id):
-            notes = None  # not in a write's own body
-        if notes is not None:
-            notes.holding_retry = True
         try:
-            return super().retry(
-                args, kwargs, exc, throw, eta, countdown,
-                max_retries=None if max_retries is None else limit, **options,
-            )
+            # In a write's body the retry is sent once the attempt has left
+            # 'running' (worker/execution.py), not while Celery "sends" it.
+            with holding_retry(request):
+                return super().retry(
+                    args, kwargs, exc, throw, eta, countdown,
+                    max_retries=None if max_retries is None else limit, **options,
+                )
         except Reject as rejected:
             if rejected.requeue:
                 raise
@@ -409,9 +402,6 @@ class ToolTask(Task):  # type: ignore[misc]
                 # error, which would travel on with it.
                 attempt_notes(request).retries_spent = (raised, limit)
             raise
-        finally:
-            if notes is not None:
-                notes.holding_retry = False
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Celery's ``apply_async``, with the call's identity (``docs/identity.md``):
@@ -431,13 +421,9 @@ class ToolTask(Task):  # type: ignore[misc]
         republish = bool(options.pop(REPUBLISH_OPTION, False))
         if self._tooleffect_plain:
             return super().apply_async(args, kwargs, **options)
-        notes = existing_notes(self.request) if republish else None
-        if notes is not None and notes.holding_retry:
-            # Celery's Task.retry sending the retry of the running write: held
-            # until the attempt's outcome is recorded (see retry above). Celery
-            # does not use what its publish returns.
-            notes.held_retry = HeldRetry(args, kwargs, {**options, REPUBLISH_OPTION: True})
-            return None
+        if republish and hold_retry(self.request, args, kwargs,
+                                    {**options, REPUBLISH_OPTION: True}):
+            return None  # a write's own retry (see retry): Celery ignores this
         _refuse_relabel(self.name, options)
         claim = self._identify(options, republish=republish)
         if claim:
@@ -599,20 +585,6 @@ def _refuse_relabel(name: str, options: Mapping[str, Any]) -> None:
             f"{name}: a call may not set {', '.join(refused + forged)}; "
             "a tool's effect and guarantees are declared in code"
         )
-
-
-def approver_of(declared: Any) -> Approver | None:
-    """The approver a ``requires_approval`` value names: True is an operator,
-    False or None no approval, else an :class:`Approver` or its value
-    (``ValueError`` for anything else)."""
-    if declared is None or declared is False:
-        return None
-    if declared is True:
-        return Approver.OPERATOR
-    if isinstance(declared, (Approver, str)):
-        return Approver.coerce(declared)
-    raise ValueError(f"{declared!r} is neither a bool nor an approver "
-                     f"({', '.join(a.value for a in Approver)})")
 
 
 def _caller_of(parent: ParentCall) -> dict[str, str]:

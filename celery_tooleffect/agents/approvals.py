@@ -25,9 +25,8 @@ from typing import Any
 from ..actions.approving import UserDecision, decide_as_user
 from ..actions.showing import show_call
 from ..identity import call_task_id, checked_id
-from ..states import ApprovalState
+from ..states import ApprovalState, approver_of
 from ..store.runtime import runtime_for
-from ..task import approver_of
 from .calls import ToolCaller
 
 __all__ = ["ApprovalAsk", "UserApprovals", "UserDecision", "may_ask_user"]

@@ -48,6 +48,8 @@ the pool sends it again, with the same classifier).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,7 @@ from billiard.einfo import ExceptionInfo
 
 from ..errors import DeadLettered
 from ..store.dead_letter_record import DeadLetter
+from .children import current_parent
 
 #: The request-dict key (and so the ``task.request`` attribute) of the
 #: :class:`Handoff`. Never taken from a message: a producer's header of this
@@ -157,6 +160,33 @@ class HeldRetry:
     args: Any
     kwargs: Any
     options: dict[str, Any]
+
+
+@contextlib.contextmanager
+def holding_retry(request: Any) -> Iterator[None]:
+    """Hold what Celery's ``Task.retry`` publishes while it runs in a write's
+    own body (:func:`hold_retry`; worker/execution.py sends it once the attempt
+    has ended). Anywhere else (a read, a handler after the body) nothing is held."""
+    notes = existing_notes(request)
+    parent = current_parent()
+    if (notes is None or notes.fencing_token is None
+            or parent is None or parent.task_id != request.id):
+        yield
+        return
+    notes.holding_retry = True
+    try:
+        yield
+    finally:
+        notes.holding_retry = False
+
+
+def hold_retry(request: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> bool:
+    """Keep the publish of a retry that :func:`holding_retry` holds: True when kept."""
+    notes = existing_notes(request)
+    if notes is None or not notes.holding_retry:
+        return False
+    notes.held_retry = HeldRetry(args, kwargs, options)
+    return True
 
 
 def attempt_notes(request: Any) -> AttemptNotes:
