@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
+from dataclasses import dataclass, field
 from typing import Any
 
 #: The fields every event may carry, in stored order (details follow).
@@ -203,16 +203,24 @@ class AuditEvent(Mapping[str, str]):
         )
 
     def amended(self, *, phase: str | None = None, status: str | None = None,
-                **details: Any) -> AuditEvent:
-        """This event with another phase or status and more details (a new event)."""
-        return replace(
-            self,
-            phase=self.phase if phase is None else phase,
-            status=self.status if status is None else status,
-            details={**self.details,
-                     **{name: _text(value) for name, value in details.items()
-                        if value is not None}},
-        )
+                effect: str | None = None, **details: Any) -> AuditEvent:
+        """This event with another phase, status or effect and more details (a
+        new event)."""
+        changes: dict[str, Any] = {"details": {
+            **self.details,
+            **{name: _text(value) for name, value in details.items() if value is not None}}}
+        if phase is not None:
+            changes["phase"] = phase
+        if status is not None:
+            changes["status"] = status
+        if effect is not None:
+            changes["effect"] = effect
+        # What dataclasses.replace does (a new event, __post_init__ run again),
+        # without its getattr of every field: this is on every write's path.
+        event = object.__new__(AuditEvent)
+        event.__dict__.update(self.__dict__, **changes)
+        event.__post_init__()
+        return event
 
     def _stream_fields(self) -> dict[str, str]:
         fields = {
@@ -260,6 +268,23 @@ class AuditEvent(Mapping[str, str]):
 
     def __len__(self) -> int:
         return len(self._fields_map)
+
+    # Mapping's mixins go through __getitem__ field by field; an event's
+    # fields are a dict already, and flattening them is on every call's path.
+    def __contains__(self, name: object) -> bool:
+        return name in self._fields_map
+
+    def keys(self) -> KeysView[str]:
+        return self._fields_map.keys()
+
+    def items(self) -> ItemsView[str, str]:
+        return self._fields_map.items()
+
+    def values(self) -> ValuesView[str]:
+        return self._fields_map.values()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._fields_map.get(name, default)
 
     @property
     def _fields_map(self) -> dict[str, str]:

@@ -228,15 +228,16 @@ class Journal:
             short = self.durability.shortfall(replies[1])
             if short is not None:
                 raise IntentNotDurable(f"intent not durable: {short}", int(attempt))
-        result = Begin(verdict, int(attempt), text(detail), effect=text(handled_as),
-                       rolled_back=rolled_back == b"1")
         extra = answer[6:]
         if verdict is Verdict.STARTED:
             fence = int(extra[0])
             # Saves a round trip on the hot path: the copy rides with the outcome.
-            return replace(result, fencing_token=fence,
-                           intent_event=replace(event.amended(fencing_token=fence),
-                                                effect=result.effect))
+            return Begin(verdict, int(attempt), text(detail), effect=text(handled_as),
+                         rolled_back=rolled_back == b"1", fencing_token=fence,
+                         intent_event=event.amended(fencing_token=fence,
+                                                    effect=text(handled_as)))
+        result = Begin(verdict, int(attempt), text(detail), effect=text(handled_as),
+                       rolled_back=rolled_back == b"1")
         if verdict is Verdict.EXHAUSTED:
             return replace(result, endings={
                 ending: int(count) for ending, count in zip(Ending, extra, strict=True)})
