@@ -125,3 +125,38 @@ def test_the_benchmark_runs_every_phase_and_counts_the_round_trip_floor(tmp_path
     assert all(len(rates) == 1 for rates in cell["rates"].values())
     assert all(len(taken) == 2 * cell["concurrency"] for taken in cell["latencies_ms"].values())
     assert "| threads (20, 1) | waiting | split databases |" in done.stdout
+
+
+def test_the_scripts_bench_measures_the_shipped_scripts_and_stubs_only_the_events() -> None:
+    """``python -m bench.scripts``: both rows come from real script calls on its
+    own server, and the stubbed row's scripts record the journal but no event."""
+    from celery import Celery
+
+    from bench.scripts import events_stubbed, one_round
+    from celery_tooleffect.store.lua import script
+    from celery_tooleffect.testing import redis_server
+
+    with redis_server() as server:
+        counted = {}
+        for stub in (False, True):
+            prefix = f"bst{int(stub)}:"
+            app = Celery(f"bench-scripts-test-{int(stub)}", set_as_current=False)
+            app.conf.update(broker_url=server.url, result_backend=server.url,
+                            tooleffect_key_prefix=prefix, tooleffect_allow_volatile_store=True)
+            client = server.client()
+            if stub:
+                with events_stubbed():
+                    figures = one_round(app, 20)
+            else:
+                figures = one_round(app, 20)
+            assert set(figures) == {"intent", "outcome"} and all(figures.values())
+            counted[stub] = (len(client.keys(f"{prefix}*:journal:*")),
+                             len(client.keys(f"{prefix}*:events")),
+                             client.hlen(f"{prefix}unacked"),
+                             len(client.keys(f"{prefix}celery-task-meta-*")))
+        # Both: 20 journal entries moved, 20 results stored, 20 messages
+        # acknowledged; only the shipped scripts stored events.
+        assert counted[False] == (20, 20, 0, 20)
+        assert counted[True] == (20, 0, 0, 20)
+    # The stub is gone once the block ends.
+    assert "if true then return {'0', 0} end" not in script("begin_attempt").text

@@ -220,14 +220,18 @@ if attempt >= allowed then
 end
 
 attempt = attempt + 1
-local fence = redis.call('HINCRBY', journal, 'fence', 1)
-redis.call('HSET', journal, 'state', 'running', 'attempt', attempt, 'owner', token,
-  'lease_end', lease_end, 'effect', effect, 'updated_at', ARGV[2], 'tool', tool)
+-- The fence read above, raised: the script runs alone, so this is HINCRBY's
+-- answer, written with the rest of the intent in one command.
+local fence = tonumber(current[6] or '0') + 1
+local intent = {'state', 'running', 'attempt', attempt, 'owner', token, 'lease_end', lease_end,
+  'effect', effect, 'updated_at', ARGV[2], 'tool', tool, 'fence', fence}
+if digest ~= '' then
+  intent[#intent + 1] = 'call_digest'
+  intent[#intent + 1] = digest
+end
+redis.call('HSET', journal, unpack(intent))
 if current[10] then
   redis.call('HDEL', journal, 'interrupted_by')
-end
-if digest ~= '' then
-  redis.call('HSET', journal, 'call_digest', digest)
 end
 redis.call('EXPIRE', journal, ttl)
 append_event(events, maxlen, ttl, fields,

@@ -107,8 +107,6 @@ local function append_event(events, maxlen, ttl, fields, overrides)
       headed = false
       seq, head = #redis.call('LRANGE', events, 0, -1), '!'
     end
-  else
-    redis.call('RPUSH', events, '')
   end
   seq = seq + 1
   local sent = {}
@@ -140,9 +138,19 @@ local function append_event(events, maxlen, ttl, fields, overrides)
   end
   local body = table.concat(parts)
   head = redis.sha1hex(head .. body)
-  redis.call('RPUSH', events,
-    string.sub(redis.sha1hex(body), 1, 8) .. string.sub(head, 1, 8) .. body)
+  local element = string.sub(redis.sha1hex(body), 1, 8) .. string.sub(head, 1, 8) .. body
   local limit = tonumber(maxlen)
+  if not header and limit >= 1 then
+    -- A new list: its header and first event in one command (one event
+    -- trims nothing).
+    redis.call('RPUSH', events, 'te1 1 ' .. head .. ' 0 -', element)
+    redis.call('EXPIRE', events, ttl)
+    return {'1', 1}
+  end
+  if not header then
+    redis.call('RPUSH', events, '')
+  end
+  redis.call('RPUSH', events, element)
   local drop = 0
   if headed and seq - base_seq > limit + math.floor(limit / 10) then
     drop = seq - base_seq - limit
@@ -154,8 +162,8 @@ local function append_event(events, maxlen, ttl, fields, overrides)
     end
   end
   if drop > 0 then
-    for _, element in ipairs(redis.call('LRANGE', events, 1, drop)) do
-      base = redis.sha1hex(base .. string.sub(element, 17))
+    for _, trimmed in ipairs(redis.call('LRANGE', events, 1, drop)) do
+      base = redis.sha1hex(base .. string.sub(trimmed, 17))
     end
     base_seq = base_seq + drop
     -- Index 'drop' (the newest trimmed) becomes index 0, the header, below.

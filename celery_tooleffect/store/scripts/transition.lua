@@ -49,10 +49,11 @@ for name in string.gmatch(allowed, '%S+') do
 end
 
 if state_allowed and (token == '' or owner == token or state == 'absent') then
-  redis.call('HSET', journal, 'state', new_state, 'updated_at', now)
-  if #journal_fields > 0 then
-    redis.call('HSET', journal, unpack(journal_fields))
-  end
+  journal_fields[#journal_fields + 1] = 'state'
+  journal_fields[#journal_fields + 1] = new_state
+  journal_fields[#journal_fields + 1] = 'updated_at'
+  journal_fields[#journal_fields + 1] = now
+  redis.call('HSET', journal, unpack(journal_fields))
   if counter ~= '' then
     redis.call('HINCRBY', journal, counter, 1)
   end
