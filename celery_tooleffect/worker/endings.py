@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -168,11 +168,9 @@ def publish_retry(delivery: Delivery, exc: Exception, countdown: float, *,
     signature = delivery.tool.signature_from_request(
         request, countdown=countdown, retries=int(request.retries or 0) + 1
     )
-    try:
-        signature.apply_async()
-    except Exception as publish_failed:
-        logger.error("retry of %s not published, requeueing: %s", delivery.label, publish_failed)
-        return caused(Reject(publish_failed, requeue=True), exc)
+    kept = sent_again(delivery, "retry", signature.apply_async, cause=exc)
+    if kept is not None:
+        return kept
     if retry_stored:
         stored_by_the_outcome(request)
     telemetry.step("retry scheduled", **{"tooleffect.countdown": countdown})
@@ -190,10 +188,23 @@ def send_held_retry(delivery: Delivery, cause: BaseException | None) -> BaseExce
     if notes is None or held is None:
         return None
     notes.held_retry = None
+    return sent_again(delivery, "retry",
+                      lambda: delivery.tool.apply_async(held.args, held.kwargs, **held.options),
+                      cause=cause)
+
+
+def sent_again(delivery: Delivery, what: str, publish: Callable[[], object], *,
+               cause: BaseException | None = None) -> BaseException | None:
+    """Publish this call again (``publish()``: a retry, a deferral): None once
+    sent; else a ``Reject`` that requeues the message held now, so that a
+    publish that fails never loses the call (Celery's ``Reject(requeue=True)``
+    with ``acks_late``: the message goes back to its queue), caused by
+    ``cause`` when given."""
     try:
-        delivery.tool.apply_async(held.args, held.kwargs, **held.options)
+        publish()
     except Exception as publish_failed:
-        logger.error("retry of %s not published, requeueing: %s", delivery.label, publish_failed)
+        logger.error("%s of %s not published, requeueing: %s", what, delivery.label,
+                     publish_failed)
         kept = Reject(publish_failed, requeue=True)
         return kept if cause is None else caused(kept, cause)
     return None
@@ -215,10 +226,8 @@ def defer_to_owner(delivery: Delivery, begin: Begin) -> BaseException:
     if attempt.interactive:
         return AttemptInProgress(f"{delivery.label} is running elsewhere for {wait:.0f}s more")
     signature = delivery.tool.signature_from_request(delivery.request, countdown=wait)
-    try:
-        signature.apply_async()
-    except Exception as publish_failed:
-        kept: BaseException = Reject(publish_failed, requeue=True)
+    kept = sent_again(delivery, "deferral", signature.apply_async)
+    if kept is not None:
         return kept
     telemetry.step("deferred", **{"tooleffect.countdown": wait})
     delivery.runtime.audit.record_step(
