@@ -74,8 +74,8 @@ def one_round(app: Celery, calls: int) -> dict[str, float]:
     journal, settings = runtime.journal, runtime.settings
     client = journal.client
     prefix = settings.key_prefix
-    refs = [JournalRef(str(uuid.uuid4()), "") for _ in range(calls)]
-    refs = [JournalRef(ref.run_id, ref.run_id) for ref in refs]  # each call a run of its own
+    ids = [str(uuid.uuid4()) for _ in range(calls)]
+    refs = [JournalRef(task_id, task_id) for task_id in ids]  # each call a run of its own
     tokens = [uuid.uuid4().hex for _ in refs]
 
     def event(ref: JournalRef, phase: str, status: str, **details: Any) -> AuditEvent:

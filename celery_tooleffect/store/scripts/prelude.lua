@@ -139,17 +139,14 @@ local function append_event(events, maxlen, ttl, fields, overrides)
   local body = table.concat(parts)
   head = redis.sha1hex(head .. body)
   local element = string.sub(redis.sha1hex(body), 1, 8) .. string.sub(head, 1, 8) .. body
-  local limit = tonumber(maxlen)
-  if not header and limit >= 1 then
+  if not header then
     -- A new list: its header and first event in one command (one event
-    -- trims nothing).
+    -- trims nothing: the settings keep maxlen at 1 or more).
     redis.call('RPUSH', events, 'te1 1 ' .. head .. ' 0 -', element)
     redis.call('EXPIRE', events, ttl)
     return {'1', 1}
   end
-  if not header then
-    redis.call('RPUSH', events, '')
-  end
+  local limit = tonumber(maxlen)
   redis.call('RPUSH', events, element)
   local drop = 0
   if headed and seq - base_seq > limit + math.floor(limit / 10) then
