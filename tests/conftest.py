@@ -81,6 +81,7 @@ __all__ = [
     "running_worker",
     "spawned_setting",
     "start_celery_worker",
+    "wait_acknowledged",
     "wait_for",
 ]
 
@@ -668,6 +669,19 @@ def running_worker(app: Celery, concurrency: int = 2) -> Iterator[Any]:
         loglevel="WARNING", shutdown_timeout=15,
     ) as worker:
         yield worker
+
+
+def wait_acknowledged(client: redis.Redis, prefix: str) -> None:
+    """Wait until the Redis broker under ``prefix`` holds no unacknowledged message.
+
+    A dead letter is stored before its message is rejected (worker/letters.py),
+    and :func:`running_worker` stops cold (celery.contrib.testing sets
+    ``should_terminate``): a message still unacknowledged then is restored to its
+    queue by kombu's channel close and delivered again to the next worker. That
+    is at-least-once delivery, not what a test that waits for a letter is about:
+    its helpers wait for this too.
+    """
+    wait_for(lambda: not client.hlen(f"{prefix}unacked"), what="every delivery acknowledged")
 
 
 @dataclass

@@ -40,7 +40,14 @@ from celery_tooleffect.store.envelope import MessageEnvelope
 from celery_tooleffect.store.journal import JournalRef
 from celery_tooleffect.store.runtime import runtime_for
 from celery_tooleffect.store.states import JournalState
-from tests.conftest import REDIS_URL, TESTS, Counter, running_worker, wait_for
+from tests.conftest import (
+    REDIS_URL,
+    TESTS,
+    Counter,
+    running_worker,
+    wait_acknowledged,
+    wait_for,
+)
 from tests.letters import letter_of_call
 from tests.support import TcpProxy, run_fields, run_list
 
@@ -71,9 +78,12 @@ class Tools:
         return str(result.id)
 
     def dead_letter(self, effect: ToolEffect, key: str, *extra: Any) -> DeadLetter:
-        """Run a failing tool through the (running) worker until it is a dead letter."""
+        """Run a failing tool through the (running) worker until it is a dead letter
+        and its message is off the broker."""
         task_id = self.call(effect, key, *extra)
-        return wait_for(lambda: DeadLetters(self.app).get(task_id), what=f"dead letter {key}")
+        letter = wait_for(lambda: DeadLetters(self.app).get(task_id), what=f"dead letter {key}")
+        wait_acknowledged(self.client, self.prefix)
+        return letter
 
 
 @pytest.fixture
@@ -721,13 +731,7 @@ def test_bulk_replay_and_purge_go_by_batch_and_keep_each_letter_audited(
             ids |= {key: tools.call(ToolEffect.NON_IDEMPOTENT_WRITE, key) for key in writes}
             letters = {key: wait_for(lambda task_id=task_id: DeadLetters(app).get(task_id),
                                      what=f"dead letter {key}") for key, task_id in ids.items()}
-            # A letter is stored before its message is rejected (worker/letters.py),
-            # and the test worker stops cold (celery.contrib.testing sets
-            # should_terminate): a message still unacknowledged then is restored
-            # to the queue by kombu's channel close, which is at-least-once
-            # delivery, not what this test is about. Stop once every message is off.
-            wait_for(lambda: not main_redis.hlen(f"{prefix}unacked"),
-                     what="every delivery acknowledged")
+            wait_acknowledged(main_redis, prefix)
         bodies = {letter.task_id: letter.message.body  # type: ignore[union-attr]
                   for letter in letters.values()}
 

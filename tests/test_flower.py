@@ -33,7 +33,15 @@ import redis
 from celery import Celery
 
 from celery_tooleffect import DeadLetter, DeadLetters, ToolEffect, ToolTask
-from tests.conftest import REDIS_URL, TESTS, Counter, free_port, running_worker, wait_for
+from tests.conftest import (
+    REDIS_URL,
+    TESTS,
+    Counter,
+    free_port,
+    running_worker,
+    wait_acknowledged,
+    wait_for,
+)
 from tests.letters import letter_of_call
 
 CHROMIUM = next((path for path in (shutil.which("chromium"), "/usr/bin/chromium",
@@ -119,7 +127,9 @@ class Tools:
     def dead_letter(self, effect: ToolEffect, key: str) -> DeadLetter:
         result = self.app.send_task(NAMES[effect], args=[key],
                                     headers={"tooleffect_run_id": f"run-{key}"})
-        return wait_for(lambda: DeadLetters(self.app).get(result.id), what=f"letter {key}")
+        letter = wait_for(lambda: DeadLetters(self.app).get(result.id), what=f"letter {key}")
+        wait_acknowledged(self.client, self.prefix)
+        return letter
 
 
 @pytest.fixture
