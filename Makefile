@@ -23,14 +23,14 @@ demo: $(INSTALLED)
 
 # pytest-xdist: the independent tests side by side. The one place these options
 # live (.ci/run reads this line). The tests mostly wait on real processes, so
-# more workers than cores pay off: -n 4 ran about 600 tests in about 11.5
+# more workers than cores pay off: -n 4 runs about 1,280 tests in about 16.5
 # minutes on 2 cores (-n 6 was no faster, and flakier). `--dist loadgroup`
 # keeps the tests of one xdist_group on one worker (see tests/conftest.py).
 # A single test runs without them: .venv/bin/python -m pytest tests/test_x.py::test_y
 PARALLEL ?= -n 4 --dist loadgroup
 
-# The test command: the services first, then every test (about 11.5 minutes
-# with PARALLEL on 2 cores), then the tests that run alone. The suite needs a
+# The test command: the services first, then every test (about 16.5 minutes
+# with PARALLEL on 2 cores), then the tests that run alone (about 2 minutes). The suite needs a
 # Redis at 127.0.0.1:6379 (TOOLEFFECT_TEST_REDIS_URL names another),
 # redis-server on PATH, a RabbitMQ at 127.0.0.1:5672 with rabbitmqctl, root
 # and iproute2 (the partition test) and Chromium with chromedriver (the Flower
